@@ -1,0 +1,37 @@
+# `make test` and `make parity` set up what they need on a fresh machine.
+# PYTHON picks the stack: python3.12 (default: jax 0.12.0.1, flax 0.12.12) or
+# python3.11 (jax 0.10.2, flax 0.12.8). Each stack has its own venv and pins.
+PYTHON ?= python3.12
+PYVER := $(patsubst python%,%,$(notdir $(PYTHON)))
+ifeq ($(PYVER),3.12)
+VENV ?= .venv
+else
+VENV ?= .venv-py$(subst .,,$(PYVER))
+endif
+CONSTRAINTS := constraints/py$(subst .,,$(PYVER)).txt
+PY := $(VENV)/bin/python
+export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+PYTEST_ARGS ?=
+CONFIG ?= configs/llama2-tiny.yml
+
+.PHONY: install test parity lint clean
+
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
+	@test -x $(PY) || "$$(.ci/find-python $(PYTHON))" -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test,plot]'
+	@touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+parity: install
+	$(VENV)/bin/parity $(CONFIG)
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf .venv .venv-py* .pytest_cache build *.egg-info

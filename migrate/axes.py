@@ -1,0 +1,43 @@
+"""Logical axis names: declared once per parameter and activation, read by both twins."""
+
+from __future__ import annotations
+
+# Parameters (PIPELINE.md "Decoder").
+EMBEDDING = ("vocab", "embed")
+NORM_SCALE = ("norm",)
+QUERY = ("embed", "q_heads", "kv")
+KEY = ("embed", "kv_heads", "kv_head_dim")
+VALUE = ("embed", "kv_heads", "kv_head_dim")
+ATTENTION_OUT = ("heads", "kv", "embed")
+MLP_IN = ("embed", "mlp")
+MLP_OUT = ("mlp", "embed")
+LOGITS_KERNEL = ("embed", "vocab")
+
+# Stacked-layer axes, prepended to a layer's parameter names.
+REFERENCE_LAYERS = "layers"  # the non-pipelined decoder: all layers on one axis
+STAGE = "layers"  # the pipeline's stage axis (mapped to the `stage` mesh axis by the rules)
+CIRCULAR_REPEATS = "circular_repeats"
+LAYERS_PER_STAGE = "layers_per_stage"
+
+# Activations.
+BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embed")
+BATCH_LENGTH_HEADS_KV = (
+    "activation_batch",
+    "activation_length",
+    "activation_heads",
+    "activation_kv",
+)
+BATCH_LENGTH_KV_HEADS_KV = (
+    "activation_batch",
+    "activation_length",
+    "activation_kv_heads",
+    "activation_kv",
+)
+BATCH_LENGTH_MLP = ("activation_batch", "activation_length", "activation_mlp")
+BATCH_LENGTH_VOCAB = ("activation_batch", "activation_length", "activation_vocab")
+STAGE_BATCH_LENGTH_EMBED = ("activation_stage", *BATCH_LENGTH_EMBED)
+MICROBATCH_BATCH_LENGTH_EMBED = (None, *BATCH_LENGTH_EMBED)
+
+# Remat checkpoint names (PIPELINE.md "Remat").
+ITERATION_INPUT = "iteration_input"
+DECODER_LAYER_INPUT = "decoder_layer_input"

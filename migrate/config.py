@@ -1,0 +1,446 @@
+"""A frozen, typed model config: `configs/base.yml` + a model YAML + `key=value` overrides.
+
+Key names follow MaxText. Derived values (S, M, R, L, microbatch size, iteration count, bubble
+fraction) are computed once, in `Config.__post_init__`, and every invalid combination is refused
+with a `ConfigError` naming the keys, their values and the rule they break.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MESH_AXES: tuple[str, ...] = ("data", "stage", "fsdp", "tensor")
+DTYPES = ("float32", "bfloat16")
+MATMUL_PRECISIONS = ("default", "high", "highest")
+REMAT_POLICIES = ("save_iteration_and_layer_inputs", "full", "minimal", "none")
+PRNG_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+
+class ConfigError(ValueError):
+    """A config that cannot be built: unknown key, wrong type, or a broken rule."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Every knob of the model, its batch, its pipeline and its mesh."""
+
+    model_name: str
+    seed: int
+    jax_default_prng_impl: str
+
+    base_emb_dim: int
+    base_num_query_heads: int
+    base_num_kv_heads: int
+    head_dim: int
+    base_mlp_dim: int
+    base_num_decoder_layers: int
+    vocab_size: int
+    max_target_length: int
+    normalization_layer_epsilon: float
+    rope_min_timescale: float
+    rope_max_timescale: float
+
+    per_device_batch_size: float
+    dtype: str
+    weight_dtype: str
+    matmul_precision: str
+
+    dcn_pipeline_parallelism: int
+    num_pipeline_microbatches: int
+    num_layers_per_pipeline_stage: int
+    num_pipeline_repeats: int
+    pipeline_delay_activation_forwarding: bool
+    pipeline_fsdp_ag_once: bool
+    scan_layers_per_stage: bool
+    scan_pipeline_iterations: bool
+    set_remat_policy_on_pipeline_iterations: bool
+    remat_policy: str
+
+    ici_data_parallelism: int
+    ici_fsdp_parallelism: int
+    ici_tensor_parallelism: int
+    ici_pipeline_parallelism: int
+
+    logical_axis_rules: Rules
+
+    # Derived in __post_init__; not settable from YAML.
+    num_stages: int = dataclasses.field(init=False)
+    num_microbatches: int = dataclasses.field(init=False)
+    num_repeats: int = dataclasses.field(init=False)
+    layers_per_stage: int = dataclasses.field(init=False)
+    forwarding_delay: int = dataclasses.field(init=False)
+    num_devices: int = dataclasses.field(init=False)
+    global_batch_size: int = dataclasses.field(init=False)
+    microbatch_size: int = dataclasses.field(init=False)
+    num_iterations: int = dataclasses.field(init=False)
+    bubble_fraction: float = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        derived = _derive(self)
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+        problems = _violations(self)
+        if problems:
+            raise ConfigError(
+                f"config {self.model_name!r} is invalid:\n"
+                + "\n".join(f"  - {p}" for p in problems)
+            )
+
+    @property
+    def using_pipeline(self) -> bool:
+        """The decoder runs its layers through the pipeline (more than one stage)."""
+        return self.num_stages > 1
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """Mesh axis name -> size, in `MESH_AXES` order."""
+        return {
+            "data": self.ici_data_parallelism,
+            "stage": self.num_stages,
+            "fsdp": self.ici_fsdp_parallelism,
+            "tensor": self.ici_tensor_parallelism,
+        }
+
+    @property
+    def pipeline_flop_overhead(self) -> float:
+        """Compiled stage visits over useful ones: `(M*R + d*(S-1)) / (M*R)`."""
+        return self.num_iterations / (self.num_microbatches * self.num_repeats)
+
+    def replace(self, **changes: Any) -> Config:
+        """A new validated config with `changes` applied (same rules as overrides)."""
+        return from_dict({**self.to_dict(), **changes}, source=f"{self.model_name} (replaced)")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settable keys and their values (derived values left out)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+
+_SETTABLE = {f.name: f for f in dataclasses.fields(Config) if f.init}
+
+
+def _derive(cfg: Config) -> dict[str, Any]:
+    stages = cfg.ici_pipeline_parallelism * cfg.dcn_pipeline_parallelism
+    delay = 2 if cfg.pipeline_delay_activation_forwarding else 1
+    microbatches = cfg.num_pipeline_microbatches
+    if microbatches == -1:
+        microbatches = stages * delay
+    per_stage = cfg.num_layers_per_pipeline_stage
+    repeats = cfg.num_pipeline_repeats
+    if repeats == -1:
+        repeats = max(cfg.base_num_decoder_layers // max(stages * per_stage, 1), 1)
+    devices = math.prod(
+        (cfg.ici_data_parallelism, stages, cfg.ici_fsdp_parallelism, cfg.ici_tensor_parallelism)
+    )
+    global_batch = cfg.per_device_batch_size * devices
+    global_batch_int = round(global_batch) if float(global_batch).is_integer() else 0
+    iterations = microbatches * repeats + delay * (stages - 1)
+    return dict(
+        num_stages=stages,
+        num_microbatches=microbatches,
+        num_repeats=repeats,
+        layers_per_stage=per_stage,
+        forwarding_delay=delay,
+        num_devices=devices,
+        global_batch_size=global_batch_int,
+        microbatch_size=global_batch_int // microbatches if microbatches > 0 else 0,
+        num_iterations=iterations,
+        bubble_fraction=delay * (stages - 1) / iterations if iterations > 0 else 0.0,
+    )
+
+
+def _violations(cfg: Config) -> list[str]:
+    """Every broken rule, each naming its keys, their values and the rule."""
+    out: list[str] = []
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            out.append(message)
+
+    for key in (
+        "base_emb_dim",
+        "base_num_query_heads",
+        "base_num_kv_heads",
+        "head_dim",
+        "base_mlp_dim",
+        "base_num_decoder_layers",
+        "vocab_size",
+        "max_target_length",
+        "dcn_pipeline_parallelism",
+        "num_layers_per_pipeline_stage",
+        "ici_data_parallelism",
+        "ici_fsdp_parallelism",
+        "ici_tensor_parallelism",
+        "ici_pipeline_parallelism",
+    ):
+        need(getattr(cfg, key) > 0, f"{key}={getattr(cfg, key)}: must be a positive integer")
+    if out:
+        return out  # the rules below divide by these
+
+    for key, allowed in (
+        ("dtype", DTYPES),
+        ("weight_dtype", DTYPES),
+        ("matmul_precision", MATMUL_PRECISIONS),
+        ("remat_policy", REMAT_POLICIES),
+        ("jax_default_prng_impl", PRNG_IMPLS),
+    ):
+        need(
+            getattr(cfg, key) in allowed,
+            f"{key}={getattr(cfg, key)!r}: must be one of {', '.join(allowed)}",
+        )
+    need(
+        cfg.normalization_layer_epsilon > 0,
+        f"normalization_layer_epsilon={cfg.normalization_layer_epsilon}: must be > 0",
+    )
+    need(
+        0 < cfg.rope_min_timescale <= cfg.rope_max_timescale,
+        f"rope_min_timescale={cfg.rope_min_timescale}, rope_max_timescale="
+        f"{cfg.rope_max_timescale}: need 0 < rope_min_timescale <= rope_max_timescale",
+    )
+    need(
+        cfg.head_dim % 2 == 0,
+        f"head_dim={cfg.head_dim}: rotary embedding rotates halves, so head_dim must be even",
+    )
+    need(
+        cfg.base_num_query_heads % cfg.base_num_kv_heads == 0,
+        f"base_num_query_heads={cfg.base_num_query_heads}, base_num_kv_heads="
+        f"{cfg.base_num_kv_heads}: query heads must be a multiple of kv heads (grouped query)",
+    )
+    tensor = cfg.ici_tensor_parallelism
+    for key in ("base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "vocab_size"):
+        need(
+            getattr(cfg, key) % tensor == 0,
+            f"{key}={getattr(cfg, key)}, ici_tensor_parallelism={tensor}: "
+            f"{key} must be divisible by the tensor axis",
+        )
+    need(
+        cfg.base_emb_dim % cfg.ici_fsdp_parallelism == 0,
+        f"base_emb_dim={cfg.base_emb_dim}, ici_fsdp_parallelism={cfg.ici_fsdp_parallelism}: "
+        "the embed dimension must be divisible by the fsdp axis",
+    )
+
+    need(
+        cfg.per_device_batch_size > 0 and cfg.global_batch_size > 0,
+        f"per_device_batch_size={cfg.per_device_batch_size} x {cfg.num_devices} devices: "
+        "the global batch must be a positive integer",
+    )
+    batch_shards = cfg.ici_data_parallelism * cfg.ici_fsdp_parallelism
+    if cfg.global_batch_size > 0:
+        need(
+            cfg.global_batch_size % batch_shards == 0,
+            f"global batch {cfg.global_batch_size} (per_device_batch_size="
+            f"{cfg.per_device_batch_size} x {cfg.num_devices} devices), ici_data_parallelism="
+            f"{cfg.ici_data_parallelism}, ici_fsdp_parallelism={cfg.ici_fsdp_parallelism}: "
+            "the batch must be divisible by data x fsdp",
+        )
+
+    for rule_name, target in cfg.logical_axis_rules:
+        axes = target if isinstance(target, tuple) else (target,)
+        for axis in axes:
+            need(
+                axis is None or axis in MESH_AXES,
+                f"logical_axis_rules: {rule_name!r} -> {axis!r}: unknown mesh axis "
+                f"(mesh axes: {', '.join(MESH_AXES)})",
+            )
+
+    if cfg.using_pipeline:
+        out.extend(_pipeline_violations(cfg))
+    return out
+
+
+def _pipeline_violations(cfg: Config) -> list[str]:
+    out: list[str] = []
+    s, m, r, n_layers = cfg.num_stages, cfg.num_microbatches, cfg.num_repeats, cfg.layers_per_stage
+    d = cfg.forwarding_delay
+    stages_txt = (
+        f"S={s} (ici_pipeline_parallelism={cfg.ici_pipeline_parallelism} x "
+        f"dcn_pipeline_parallelism={cfg.dcn_pipeline_parallelism})"
+    )
+    if cfg.num_pipeline_microbatches != -1 and cfg.num_pipeline_microbatches <= 0:
+        out.append(
+            f"num_pipeline_microbatches={cfg.num_pipeline_microbatches}: "
+            "must be positive, or -1 for S (2S with delay)"
+        )
+        return out
+    if cfg.num_pipeline_repeats != -1 and cfg.num_pipeline_repeats <= 0:
+        out.append(
+            f"num_pipeline_repeats={cfg.num_pipeline_repeats}: "
+            "must be positive, or -1 for num_decoder_layers / (S*L)"
+        )
+        return out
+    if s * n_layers * r != cfg.base_num_decoder_layers:
+        out.append(
+            f"{stages_txt}, num_layers_per_pipeline_stage={n_layers}, "
+            f"num_pipeline_repeats={cfg.num_pipeline_repeats} (R={r}), "
+            f"base_num_decoder_layers={cfg.base_num_decoder_layers}: "
+            "need S*L*R == base_num_decoder_layers"
+        )
+    if m % s != 0:
+        out.append(
+            f"num_pipeline_microbatches={m}, {stages_txt}: "
+            "the microbatch count must be a multiple of S"
+        )
+    if d == 2 and m < 2 * s:
+        out.append(
+            f"pipeline_delay_activation_forwarding=true, num_pipeline_microbatches={m}, "
+            f"{stages_txt}: forwarding delay needs M >= 2S"
+        )
+    if cfg.global_batch_size > 0 and cfg.global_batch_size % m != 0:
+        out.append(
+            f"global batch {cfg.global_batch_size} (per_device_batch_size="
+            f"{cfg.per_device_batch_size} x {cfg.num_devices} devices), "
+            f"num_pipeline_microbatches={m}: the batch must be divisible by M"
+        )
+    elif cfg.microbatch_size > 0:
+        shards = cfg.ici_data_parallelism * cfg.ici_fsdp_parallelism
+        if cfg.microbatch_size % shards != 0:
+            out.append(
+                f"microbatch size {cfg.microbatch_size} (global batch "
+                f"{cfg.global_batch_size} / M={m}), ici_data_parallelism="
+                f"{cfg.ici_data_parallelism}, ici_fsdp_parallelism="
+                f"{cfg.ici_fsdp_parallelism}: each microbatch must split over data x fsdp"
+            )
+    return out
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _type_name(tp: Any) -> str:
+    return {int: "integer", float: "number", bool: "boolean (true/false)", str: "string"}.get(
+        tp, str(tp)
+    )
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """`value` as the type that field `key` declares, or a ConfigError naming both."""
+    field_type = typing.get_type_hints(Config)[key]
+    if key == "logical_axis_rules":
+        return _coerce_rules(value)
+    if field_type is bool:
+        if isinstance(value, bool):
+            return value
+    elif field_type is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif field_type is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # PyYAML reads `1e-5` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif field_type is str and isinstance(value, str):
+        return value
+    raise ConfigError(
+        f"{key}={value!r}: expected {_type_name(field_type)}, got {type(value).__name__}"
+    )
+
+
+def _coerce_rules(value: Any) -> Rules:
+    message = (
+        "logical_axis_rules: expected a list of [logical_name, mesh_axis | [mesh_axes] | "
+        "null] pairs"
+    )
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{message}, got {type(value).__name__}")
+    rules = []
+    for i, pair in enumerate(value):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise ConfigError(f"{message}; entry {i} is {pair!r}")
+        name, target = pair
+        if isinstance(target, (list, tuple)):
+            if not all(isinstance(a, str) for a in target):
+                raise ConfigError(f"{message}; entry {i} is {pair!r}")
+            target = tuple(target)
+        elif target is not None and not isinstance(target, str):
+            raise ConfigError(f"{message}; entry {i} is {pair!r}")
+        rules.append((name, target))
+    return tuple(rules)
+
+
+def _check_known(keys: Iterable[str], source: str) -> None:
+    for key in keys:
+        if key not in _SETTABLE:
+            close = difflib.get_close_matches(key, list(_SETTABLE), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{source}: unknown key {key!r}{hint}")
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of key: value, got {type(data).__name__}")
+    _check_known(data, str(path))
+    return data
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
+    """MaxText-style `key=value` strings -> {key: value}, values parsed as YAML scalars/lists."""
+    parsed: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected key=value")
+        _check_known([key], "override")
+        try:
+            parsed[key] = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from None
+    return parsed
+
+
+def from_dict(values: Mapping[str, Any], source: str = "config") -> Config:
+    """A validated Config from a complete mapping of settable keys."""
+    _check_known(values, source)
+    missing = sorted(set(_SETTABLE) - set(values))
+    if missing:
+        raise ConfigError(f"{source}: missing keys: {', '.join(missing)}")
+    return Config(**{k: _coerce(k, v) for k, v in values.items()})
+
+
+def base_config_path(model_path: Path) -> Path:
+    """`base.yml` beside the model YAML."""
+    return model_path.parent / "base.yml"
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """base.yml, then the model YAML at `path`, then `key=value` overrides; validated."""
+    model_path = Path(path)
+    base_path = base_config_path(model_path)
+    values = _read_yaml(base_path)
+    if model_path.resolve() != base_path.resolve():
+        values.update(_read_yaml(model_path))
+    values.update(parse_overrides(overrides))
+    return from_dict(values, source=str(model_path))
+
+
+__all__ = [
+    "DTYPES",
+    "MATMUL_PRECISIONS",
+    "MESH_AXES",
+    "PRNG_IMPLS",
+    "REMAT_POLICIES",
+    "Config",
+    "ConfigError",
+    "from_dict",
+    "load_config",
+    "parse_overrides",
+]

@@ -1,0 +1,72 @@
+"""Linen decoder (the original): embedding, pipelined or scanned layers, final norm, logits, loss.
+
+Twin of `migrate/nnx/decoder.py`.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from migrate import axes, numerics, sharding
+from migrate.config import Config
+from migrate.linen.layers import DecoderLayer, DenseGeneral, Embed, RMSNorm
+from migrate.linen.pipeline import Pipeline, scan_layers
+
+
+class Decoder(nn.Module):
+    """llama2-style decoder. `use_pipeline=None` follows the config (pipeline when S > 1);
+    `False` gives the non-pipelined reference, all layers stacked on one `layers` axis."""
+
+    config: Config
+    mesh: Mesh
+    use_pipeline: bool | None = None
+    bubble_fill: float = 0.0
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg, rules = self.config, self.config.logical_axis_rules
+        x = Embed(cfg, name="token_embedder")(tokens)
+        x = nn.with_logical_constraint(x, axes.BATCH_LENGTH_EMBED, rules=rules, mesh=self.mesh)
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        pipelined = cfg.using_pipeline if self.use_pipeline is None else self.use_pipeline
+        if pipelined:
+            x = Pipeline(cfg, self.mesh, self.bubble_fill, name="pipeline")(x, positions)
+        else:
+            layer_cls = DecoderLayer
+            policy = numerics.remat_policy(cfg)
+            if policy is not None:
+                layer_cls = nn.remat(DecoderLayer, policy=policy, prevent_cse=False)
+            layer = layer_cls(cfg, self.mesh, name="layers")
+            x = scan_layers(layer, x, positions, cfg.base_num_decoder_layers, axes.REFERENCE_LAYERS)
+        x = RMSNorm(cfg, name="decoder_norm")(x)
+        logits = DenseGeneral(
+            (cfg.base_emb_dim,), (cfg.vocab_size,), axes.LOGITS_KERNEL, cfg, name="logits_dense"
+        )(x)
+        logits = logits.astype(jnp.float32)
+        return nn.with_logical_constraint(
+            logits, axes.BATCH_LENGTH_VOCAB, rules=rules, mesh=self.mesh
+        )
+
+
+def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Token-mean cross entropy: microbatching cannot change its scale."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def param_shardings(abstract_variables, mesh: Mesh, cfg: Config):
+    """NamedSharding per leaf from the LogicallyPartitioned boxes (Linen's resolver)."""
+    logical = nn.get_partition_spec(abstract_variables)
+    return nn.logical_to_mesh_sharding(logical, mesh, sharding.logical_rules(cfg))
+
+
+def init_variables(model: Decoder, tokens: jax.Array, seed: int | None = None):
+    """Boxed variables from `model.init`, each array placed on the mesh per its logical names."""
+    cfg = model.config
+    rng = jax.random.key(cfg.seed if seed is None else seed, impl=cfg.jax_default_prng_impl)
+    abstract = jax.eval_shape(model.init, rng, tokens)
+    shardings = param_shardings(abstract, model.mesh, cfg)
+    return jax.jit(model.init, out_shardings=shardings)(rng, tokens)

@@ -1,0 +1,198 @@
+"""Linen decoder layers (the original): RMSNorm, rotary embedding, GQA attention, SwiGLU MLP.
+
+Twin of `migrate/nnx/layers.py`: same classes, same order, same parameter names.
+Every parameter is a `LogicallyPartitioned` box with the names declared in `migrate.axes`.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh
+
+from migrate import axes, numerics
+from migrate.config import Config
+
+# Large negative score for masked positions (finite, so a fully masked row stays NaN-free).
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+class DenseGeneral(nn.Module):
+    """`x @ kernel`, contracting the trailing `len(in_features)` dims of x."""
+
+    in_features: tuple[int, ...]
+    out_features: tuple[int, ...]
+    kernel_axes: tuple[str, ...]
+    config: Config
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        n_in = len(self.in_features)
+        init = numerics.kernel_init(
+            in_axis=tuple(range(n_in)), out_axis=tuple(range(n_in, n_in + len(self.out_features)))
+        )
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(init, self.kernel_axes),
+            (*self.in_features, *self.out_features),
+            numerics.weight_dtype(cfg),
+        )
+        dtype = numerics.activation_dtype(cfg)
+        contract_x = tuple(range(x.ndim - n_in, x.ndim))
+        return jnp.tensordot(
+            x.astype(dtype),
+            kernel.astype(dtype),
+            axes=(contract_x, tuple(range(n_in))),
+            precision=numerics.precision(cfg),
+        )
+
+
+class Embed(nn.Module):
+    """Token id -> embedding row."""
+
+    config: Config
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.config
+        table = self.param(
+            "embedding",
+            nn.with_logical_partitioning(numerics.embedding_init, axes.EMBEDDING),
+            (cfg.vocab_size, cfg.base_emb_dim),
+            numerics.weight_dtype(cfg),
+        )
+        return jnp.take(table, tokens, axis=0).astype(numerics.activation_dtype(cfg))
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm in float32 with a learned scale."""
+
+    config: Config
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        scale = self.param(
+            "scale",
+            nn.with_logical_partitioning(numerics.scale_init, axes.NORM_SCALE),
+            (cfg.base_emb_dim,),
+            numerics.weight_dtype(cfg),
+        )
+        x32 = x.astype(jnp.float32)
+        mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        normed = x32 * jax.lax.rsqrt(mean_square + cfg.normalization_layer_epsilon)
+        return (normed * scale.astype(jnp.float32)).astype(numerics.activation_dtype(cfg))
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates halves (`x1, x2 -> x1 cos - x2 sin, x2 cos + x1 sin`) by position / timescale."""
+
+    config: Config
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        cfg = self.config
+        half = cfg.head_dim // 2
+        fraction = 2 * jnp.arange(half, dtype=jnp.float32) / cfg.head_dim
+        timescale = (
+            cfg.rope_min_timescale * (cfg.rope_max_timescale / cfg.rope_min_timescale) ** fraction
+        )
+        angle = positions.astype(jnp.float32)[..., None, None] / timescale  # [b, t, 1, half]
+        sin, cos = jnp.sin(angle), jnp.cos(angle)
+        x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+        rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        return rotated.astype(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention with rotary position embedding."""
+
+    config: Config
+    mesh: Mesh
+
+    def setup(self) -> None:
+        cfg = self.config
+        emb, heads, kv_heads, head_dim = (
+            cfg.base_emb_dim,
+            cfg.base_num_query_heads,
+            cfg.base_num_kv_heads,
+            cfg.head_dim,
+        )
+        self.query = DenseGeneral((emb,), (heads, head_dim), axes.QUERY, cfg)
+        self.key = DenseGeneral((emb,), (kv_heads, head_dim), axes.KEY, cfg)
+        self.value = DenseGeneral((emb,), (kv_heads, head_dim), axes.VALUE, cfg)
+        self.out = DenseGeneral((heads, head_dim), (emb,), axes.ATTENTION_OUT, cfg)
+        self.rotary = RotaryEmbedding(cfg)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        cfg = self.config
+        rules = cfg.logical_axis_rules
+        query = self.rotary(self.query(x), positions)
+        key = self.rotary(self.key(x), positions)
+        value = self.value(x)
+        query = nn.with_logical_constraint(
+            query, axes.BATCH_LENGTH_HEADS_KV, rules=rules, mesh=self.mesh
+        )
+        key = nn.with_logical_constraint(
+            key, axes.BATCH_LENGTH_KV_HEADS_KV, rules=rules, mesh=self.mesh
+        )
+        value = nn.with_logical_constraint(
+            value, axes.BATCH_LENGTH_KV_HEADS_KV, rules=rules, mesh=self.mesh
+        )
+        query = query * cfg.head_dim**-0.5
+        batch, length, heads, head_dim = query.shape
+        groups = heads // cfg.base_num_kv_heads
+        grouped_query = query.reshape(batch, length, cfg.base_num_kv_heads, groups, head_dim)
+        scores = jnp.einsum(
+            "btkgd,bskd->bkgts", grouped_query, key, precision=numerics.precision(cfg)
+        ).astype(jnp.float32)
+        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+        scores = jnp.where(causal, scores, MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
+        context = jnp.einsum("bkgts,bskd->btkgd", probs, value, precision=numerics.precision(cfg))
+        context = context.reshape(batch, length, heads, head_dim)
+        return self.out(context)
+
+
+class MLP(nn.Module):
+    """SwiGLU: `(silu(x @ wi_0) * (x @ wi_1)) @ wo`."""
+
+    config: Config
+    mesh: Mesh
+
+    def setup(self) -> None:
+        cfg = self.config
+        self.wi_0 = DenseGeneral((cfg.base_emb_dim,), (cfg.base_mlp_dim,), axes.MLP_IN, cfg)
+        self.wi_1 = DenseGeneral((cfg.base_emb_dim,), (cfg.base_mlp_dim,), axes.MLP_IN, cfg)
+        self.wo = DenseGeneral((cfg.base_mlp_dim,), (cfg.base_emb_dim,), axes.MLP_OUT, cfg)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        hidden = jax.nn.silu(self.wi_0(x)) * self.wi_1(x)
+        hidden = nn.with_logical_constraint(
+            hidden, axes.BATCH_LENGTH_MLP, rules=self.config.logical_axis_rules, mesh=self.mesh
+        )
+        return self.wo(hidden)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm llama2 block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+
+    config: Config
+    mesh: Mesh
+
+    def setup(self) -> None:
+        cfg = self.config
+        self.pre_self_attention_layer_norm = RMSNorm(cfg)
+        self.self_attention = Attention(cfg, self.mesh)
+        self.post_self_attention_layer_norm = RMSNorm(cfg)
+        self.mlp = MLP(cfg, self.mesh)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        rules = self.config.logical_axis_rules
+        x = checkpoint_name(x, axes.DECODER_LAYER_INPUT)
+        x = nn.with_logical_constraint(x, axes.BATCH_LENGTH_EMBED, rules=rules, mesh=self.mesh)
+        x = x + self.self_attention(self.pre_self_attention_layer_norm(x), positions)
+        x = x + self.mlp(self.post_self_attention_layer_norm(x))
+        return nn.with_logical_constraint(x, axes.BATCH_LENGTH_EMBED, rules=rules, mesh=self.mesh)

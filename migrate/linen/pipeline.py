@@ -1,0 +1,212 @@
+"""Linen pipeline (the original): stages vmapped over the `stage` mesh axis, circular repeats.
+
+Twin of `migrate/nnx/pipeline.py`. The behaviour is PIPELINE.md's. Weights are created once by
+`nn.vmap` (stage axis `layers`, repeat axis `circular_repeats`); the iteration loop is functional:
+each iteration selects every stage's weights for its current repeat and applies `StageLayers`
+to the stage inputs under `jax.vmap(spmd_axis_name='stage')`, as MaxText's Linen pipeline does.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh, NamedSharding
+
+from migrate import axes, numerics, schedule, sharding
+from migrate.config import Config
+from migrate.linen.layers import DecoderLayer
+
+
+def scan_layers(
+    layer: nn.Module, x: jax.Array, positions: jax.Array, length: int, axis_name: str
+) -> jax.Array:
+    """Apply `layer` `length` times, its weights stacked on a new leading axis `axis_name`."""
+    scanned = nn.scan(
+        lambda module, carry, pos: (module(carry, pos), None),
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=nn.broadcast,
+        length=length,
+        metadata_params={nn.PARTITION_NAME: axis_name},
+    )
+    x, _ = scanned(layer, x, positions)
+    return x
+
+
+class StageLayers(nn.Module):
+    """The L decoder layers one stage runs per visit (scanned, or L separate modules)."""
+
+    config: Config
+    mesh: Mesh
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        cfg = self.config
+        if cfg.scan_layers_per_stage:
+            layer = DecoderLayer(cfg, self.mesh, name="layers")
+            return scan_layers(layer, x, positions, cfg.layers_per_stage, axes.LAYERS_PER_STAGE)
+        for slot in range(cfg.layers_per_stage):
+            x = DecoderLayer(cfg, self.mesh, name=f"layers_{slot}")(x, positions)
+        return x
+
+
+def stacked_stages(cfg: Config) -> type[nn.Module]:
+    """`StageLayers` vmapped to weights `[R, S, ...]` (R omitted when R == 1)."""
+    stacked = nn.vmap(
+        StageLayers,
+        in_axes=(None, None),
+        out_axes=0,
+        axis_size=cfg.num_stages,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        spmd_axis_name="stage",
+        metadata_params={nn.PARTITION_NAME: axes.STAGE},
+    )
+    if cfg.num_repeats > 1:
+        stacked = nn.vmap(
+            stacked,
+            in_axes=(None, None),
+            out_axes=0,
+            axis_size=cfg.num_repeats,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            metadata_params={nn.PARTITION_NAME: axes.CIRCULAR_REPEATS},
+        )
+    return stacked
+
+
+def split_microbatches(x: jax.Array, num_microbatches: int) -> jax.Array:
+    """`[B, ...] -> [M, B/M, ...]`, microbatch m holding rows `b % M == m`.
+
+    Strided rather than contiguous, so that each microbatch spreads over the batch shards and
+    splitting needs no communication.
+    """
+    per_microbatch = x.shape[0] // num_microbatches
+    return x.reshape(per_microbatch, num_microbatches, *x.shape[1:]).swapaxes(0, 1)
+
+
+def merge_microbatches(x: jax.Array) -> jax.Array:
+    """Inverse of `split_microbatches`: `[M, B/M, ...] -> [B, ...]` in the original row order."""
+    return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+class Pipeline(nn.Module):
+    """The decoder layers as an S-stage circular pipeline over M microbatches.
+
+    `bubble_fill` is a test hook: the value that fills the loop buffers before any stage has
+    written them. NaN there must reach no output and no gradient.
+    """
+
+    config: Config
+    mesh: Mesh
+    bubble_fill: float = 0.0
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array, positions: jax.Array) -> jax.Array:
+        cfg = self.config
+        stages = stacked_stages(cfg)(cfg, self.mesh, name="layers")
+        if self.is_initializing():
+            # Creates the [R, S, ...] weights; the init output only needs the right shape.
+            stages(inputs[: cfg.microbatch_size], positions[: cfg.microbatch_size])
+            return inputs
+        boxed_weights = self.variables["params"]["layers"]
+        weights = nn.meta.unbox(boxed_weights)
+        if cfg.pipeline_fsdp_ag_once:
+            weights = self.all_gather_over_fsdp(boxed_weights, weights)
+        return self.run(weights, inputs, positions)
+
+    def all_gather_over_fsdp(self, boxed_weights, weights):
+        """Constrain the stage weights to their sharding without `fsdp`, once, before the loop."""
+        cfg = self.config
+        logical = nn.get_partition_spec(boxed_weights)
+
+        def gather(names, w):
+            if len(names) != w.ndim:
+                raise ValueError(
+                    "pipeline_fsdp_ag_once needs the stage weights' logical names: pass the "
+                    "LogicallyPartitioned variables from init, not unboxed arrays"
+                )
+            spec = sharding.logical_to_spec(tuple(names), cfg.logical_axis_rules)
+            spec = sharding.without_mesh_axis(spec, "fsdp")
+            return jax.lax.with_sharding_constraint(w, NamedSharding(self.mesh, spec))
+
+        return jax.tree.map(
+            gather, logical, weights, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+        )
+
+    def run_stages(self, weights, stage_inputs, stage_positions, repeat_ids) -> jax.Array:
+        """Every stage applies its layers (for its current repeat) to its input, in parallel."""
+        cfg = self.config
+        stage = StageLayers(cfg, self.mesh, parent=None)
+
+        def one_stage(stage_weights, x, pos, repeat):
+            if cfg.num_repeats > 1:
+                stage_weights = jax.tree.map(lambda w: w[repeat], stage_weights)
+            return stage.apply({"params": stage_weights}, x, pos)
+
+        weight_axis = 1 if cfg.num_repeats > 1 else 0
+        return jax.vmap(one_stage, in_axes=(weight_axis, 0, 0, 0), spmd_axis_name="stage")(
+            weights, stage_inputs, stage_positions, repeat_ids
+        )
+
+    def run(self, weights, inputs: jax.Array, positions: jax.Array) -> jax.Array:
+        """The iteration loop: `M*R + d*(S-1)` iterations of all stages, then reassembly."""
+        cfg, mesh, rules = self.config, self.mesh, self.config.logical_axis_rules
+        num_micro = cfg.num_microbatches
+        micro_inputs = sharding.constrain(
+            split_microbatches(inputs, num_micro), axes.MICROBATCH_BATCH_LENGTH_EMBED, mesh, rules
+        )
+        micro_positions = split_microbatches(positions, num_micro)
+        stage_shape = (cfg.num_stages, *micro_inputs.shape[1:])
+        fill = jnp.asarray(self.bubble_fill, inputs.dtype)
+        loop_state = {
+            "shift": jnp.full(stage_shape, fill),  # each stage's input for the next iteration
+            "previous": jnp.full(stage_shape, fill),  # last iteration's outputs (delay d=2)
+            "outputs": jnp.full(micro_inputs.shape, fill),  # finished microbatches; circular
+        }
+
+        def iteration(state, t):
+            micro_ids, repeat_ids, valid = schedule.stage_work(cfg, t)
+            # Stage 0 takes a fresh microbatch for t < M, afterwards the last stage's output
+            # for the same microbatch one repeat earlier (circular storage).
+            first = jnp.where(
+                t < num_micro, micro_inputs[t % num_micro], state["outputs"][t % num_micro]
+            )
+            stage_inputs = state["shift"].at[0].set(first)
+            # Idle slots compute on zeros: NaN x 0 in the backward pass would poison gradients.
+            stage_inputs = jnp.where(valid[:, None, None, None], stage_inputs, 0)
+            stage_inputs = checkpoint_name(stage_inputs, axes.ITERATION_INPUT)
+            stage_inputs = nn.with_logical_constraint(
+                stage_inputs, axes.STAGE_BATCH_LENGTH_EMBED, rules=rules, mesh=mesh
+            )
+            stage_outputs = self.run_stages(
+                weights, stage_inputs, micro_positions[micro_ids], repeat_ids
+            )
+            finished, finished_valid = micro_ids[-1], valid[-1]
+            outputs = (
+                state["outputs"]
+                .at[finished]
+                .set(jnp.where(finished_valid, stage_outputs[-1], state["outputs"][finished]))
+            )
+            forwarded = stage_outputs if cfg.forwarding_delay == 1 else state["previous"]
+            shift = nn.with_logical_constraint(
+                jnp.roll(forwarded, 1, axis=0),
+                axes.STAGE_BATCH_LENGTH_EMBED,
+                rules=rules,
+                mesh=mesh,
+            )
+            return {"shift": shift, "previous": stage_outputs, "outputs": outputs}, None
+
+        policy = numerics.remat_policy(cfg)
+        if cfg.set_remat_policy_on_pipeline_iterations and policy is not None:
+            iteration = jax.checkpoint(
+                iteration, policy=policy, prevent_cse=not cfg.scan_pipeline_iterations
+            )
+        if cfg.scan_pipeline_iterations:
+            loop_state, _ = jax.lax.scan(iteration, loop_state, jnp.arange(cfg.num_iterations))
+        else:
+            for t in range(cfg.num_iterations):
+                loop_state, _ = iteration(loop_state, jnp.asarray(t))
+        return merge_microbatches(loop_state["outputs"])

@@ -1,0 +1,97 @@
+"""The mesh from a config, its logical axis rules, and one resolver for both frameworks.
+
+Linen and NNX resolve logical names differently (NNX: dict lookup, unmatched names pass through
+as mesh axes; Linen: rules in priority order, a mesh axis used at most once per tensor, unmatched
+names replicated). Everything here resolves with Linen's resolver so both twins are judged by the
+same PartitionSpecs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+
+from migrate.config import MESH_AXES, Config, Rules
+
+LogicalNames = tuple[str | None, ...]
+
+
+class MeshError(RuntimeError):
+    """The mesh that a config asks for cannot be built from the devices present."""
+
+
+def simulated_devices_hint(count: int) -> str:
+    """How to get `count` devices on a CPU-only machine."""
+    return (
+        f"on a CPU, simulate them by setting XLA_FLAGS=--xla_force_host_platform_device_count="
+        f"{count} before jax is imported"
+    )
+
+
+def make_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh with axes `MESH_AXES` sized by the config, over the first devices present.
+
+    Axes are `Auto`, the model Linen's `with_sharding_constraint` assumes.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = tuple(cfg.mesh_shape[a] for a in MESH_AXES)
+    needed = math.prod(shape)
+    if len(devices) < needed:
+        sizes = ", ".join(f"{a}={n}" for a, n in cfg.mesh_shape.items())
+        flags = os.environ.get("XLA_FLAGS", "")
+        raise MeshError(
+            f"config {cfg.model_name!r} needs {needed} devices (mesh {sizes}) but "
+            f"{len(devices)} are present; {simulated_devices_hint(needed)}"
+            + (f" (XLA_FLAGS is now {flags!r})" if flags else "")
+        )
+    grid = np.array(devices[:needed], dtype=object).reshape(shape)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def abstract_mesh(cfg: Config) -> AbstractMesh:
+    """The config's mesh without devices: for shape-only work (eval_shape, lowering 7B)."""
+    return AbstractMesh(
+        tuple(cfg.mesh_shape[a] for a in MESH_AXES),
+        MESH_AXES,
+        axis_types=(AxisType.Auto,) * len(MESH_AXES),
+    )
+
+
+def logical_rules(cfg: Config) -> Rules:
+    """The config's logical axis rules, in priority order."""
+    return cfg.logical_axis_rules
+
+
+def logical_to_spec(names: LogicalNames, rules: Rules) -> PartitionSpec:
+    """Logical names -> PartitionSpec with Linen's resolver (the one resolver of the project)."""
+    return nn.logical_to_mesh_axes(tuple(names), rules)
+
+
+def named_sharding(names: LogicalNames, mesh: Mesh, rules: Rules) -> NamedSharding:
+    """Logical names -> NamedSharding on `mesh`."""
+    return NamedSharding(mesh, logical_to_spec(names, rules))
+
+
+def without_mesh_axis(spec: PartitionSpec, axis: str) -> PartitionSpec:
+    """`spec` with mesh axis `axis` removed from every entry (that dimension is gathered)."""
+    entries = []
+    for entry in spec:
+        if entry == axis:
+            entries.append(None)
+        elif isinstance(entry, tuple):
+            kept = tuple(a for a in entry if a != axis)
+            entries.append(kept if len(kept) > 1 else (kept[0] if kept else None))
+        else:
+            entries.append(entry)
+    return PartitionSpec(*entries)
+
+
+def constrain(x: jax.Array, names: LogicalNames, mesh: Mesh, rules: Rules) -> jax.Array:
+    """`with_sharding_constraint` of `x` to the sharding its logical names resolve to."""
+    return jax.lax.with_sharding_constraint(x, named_sharding(names, mesh, rules))

@@ -1,0 +1,123 @@
+"""Leaf-by-leaf comparison of two trees, with tolerances named by dtype and precision.
+
+Metrics per leaf: max abs error; max relative error measured against the reference leaf's
+largest magnitude (`max|a-b| / max|b|`, which stays meaningful where single elements are near
+zero); the same expressed in units of float32 epsilon ("ulp at scale"); the count of elements
+that differ at all; NaN/Inf on either side. NaN or Inf anywhere always fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import numpy as np
+
+from migrate.config import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """Allowed max relative error (against the reference leaf's scale) and why."""
+
+    max_rel: float
+    reason: str
+
+
+# Float32 with `highest` matmul precision. Where both sides run the same XLA program shapes
+# (Linen vs NNX twins) the results are bit-identical, so the tight tier is exact.
+EXACT = Tolerance(0.0, "identical computation: bit-exact")
+# Pipelined vs reference: the same math on different shapes ([B/M, T, E] microbatches against
+# the full batch). XLA:CPU vectorises reductions (RMSNorm's mean, softmax's sum) differently per
+# shape, so results differ by rounding only: measured <= 1.9e-6 (16 ulp at scale) over every
+# tiny config on both stacks; 64 ulp at scale leaves 4x headroom and still catches any real bug
+# (the smallest injected bug moves logits by > 1e-3).
+F32_RESHAPED = Tolerance(
+    64 * float(np.finfo(np.float32).eps),
+    "float32/highest, same math on different shapes: 64 ulp at scale",
+)
+# bfloat16 activations: 8 mantissa bits; reordered sums drift by a few bf16 ulps.
+BF16 = Tolerance(16 * float(2.0**-8), "bfloat16: 16 bf16 ulp at scale")
+
+
+def reshaped_tolerance(cfg: Config) -> Tolerance:
+    """Tolerance for the same computation on differently shaped inputs."""
+    if cfg.dtype == "float32" and cfg.matmul_precision == "highest":
+        return F32_RESHAPED
+    return BF16
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafDiff:
+    """How one leaf of `actual` differs from the same leaf of `expected`."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    max_abs: float
+    max_rel: float
+    ulp_at_scale: float
+    mismatches: int
+    nonfinite_actual: int
+    nonfinite_expected: int
+
+    def passes(self, tol: Tolerance) -> bool:
+        return (
+            self.nonfinite_actual == 0
+            and self.nonfinite_expected == 0
+            and self.max_rel <= tol.max_rel
+        )
+
+
+def path_str(path: Iterable[Any]) -> str:
+    """`('params', 'layers', 'kernel')`-like key path -> `params/layers/kernel`."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+def leaf_diff(path: str, actual: Any, expected: Any) -> LeafDiff:
+    a = np.asarray(jax.device_get(actual))
+    b = np.asarray(jax.device_get(expected))
+    if a.shape != b.shape:
+        raise ValueError(f"{path}: shapes differ: {a.shape} vs {b.shape}")
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    finite = np.isfinite(a64) & np.isfinite(b64)
+    diff = np.abs(a64 - b64)[finite]
+    max_abs = float(diff.max()) if diff.size else 0.0
+    scale = float(np.abs(b64[finite]).max()) if diff.size else 0.0
+    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
+    eps = float(np.finfo(np.float32).eps)
+    return LeafDiff(
+        path=path,
+        shape=tuple(a.shape),
+        dtype=str(b.dtype),
+        max_abs=max_abs,
+        max_rel=max_rel,
+        ulp_at_scale=max_rel / eps,
+        mismatches=int(np.count_nonzero(a64 != b64)),
+        nonfinite_actual=int(np.count_nonzero(~np.isfinite(a64))),
+        nonfinite_expected=int(np.count_nonzero(~np.isfinite(b64))),
+    )
+
+
+def compare_trees(actual: Any, expected: Any) -> list[LeafDiff]:
+    """One LeafDiff per leaf; the two trees must have the same structure."""
+    flat_a, tree_a = jax.tree_util.tree_flatten_with_path(actual)
+    flat_b, tree_b = jax.tree_util.tree_flatten_with_path(expected)
+    if tree_a != tree_b:
+        raise ValueError(f"tree structures differ:\n  {tree_a}\n  {tree_b}")
+    return [leaf_diff(path_str(p), a, b) for (p, a), (_, b) in zip(flat_a, flat_b, strict=True)]
+
+
+def worst(diffs: list[LeafDiff]) -> LeafDiff:
+    """The leaf with the largest relative error (non-finite leaves first)."""
+    return max(diffs, key=lambda d: (d.nonfinite_actual + d.nonfinite_expected > 0, d.max_rel))
