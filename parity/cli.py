@@ -18,7 +18,9 @@ from absl import app, flags
 from migrate.config import ConfigError, load_config
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("checks", None, "Checks to run (default: all). Known: pipeline.")
+flags.DEFINE_list(
+    "checks", None, "Checks to run (default: all): roundtrip, forward, grads, pipeline."
+)
 flags.DEFINE_string("json", None, "Write the JSON report here.")
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -56,19 +58,20 @@ def run(argv: Sequence[str]) -> int:
     from migrate.sharding import MeshError
     from parity import checks, report  # JAX starts here
 
-    available = {"pipeline": checks.linen_pipeline_vs_reference}
+    available = checks.CHECKS
     selected = FLAGS.checks or list(available)
     unknown = [c for c in selected if c not in available]
     if unknown:
         return usage_error(f"unknown checks {unknown}; known: {', '.join(available)}")
+    try:
+        session = checks.Session(cfg)
+    except MeshError as e:
+        return usage_error(str(e))
     results = []
     for name in selected:
         start = time.perf_counter()
         print(f"[parity] {cfg.model_name}: running {name} ...", file=sys.stderr, flush=True)
-        try:
-            result = available[name](cfg)
-        except MeshError as e:
-            return usage_error(str(e))
+        result = available[name](session)
         print(
             f"[parity] {name}: {'PASS' if result.passed else 'FAIL'} "
             f"({time.perf_counter() - start:.1f}s)",

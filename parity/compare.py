@@ -42,6 +42,13 @@ F32_RESHAPED = Tolerance(
 BF16 = Tolerance(16 * float(2.0**-8), "bfloat16: 16 bf16 ulp at scale")
 
 
+def twin_tolerance(cfg: Config) -> Tolerance:
+    """Tolerance for Linen against NNX: the same computation on the same shapes."""
+    if cfg.dtype == "float32" and cfg.matmul_precision == "highest":
+        return EXACT
+    return BF16
+
+
 def reshaped_tolerance(cfg: Config) -> Tolerance:
     """Tolerance for the same computation on differently shaped inputs."""
     if cfg.dtype == "float32" and cfg.matmul_precision == "highest":

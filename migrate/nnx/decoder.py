@@ -1,0 +1,107 @@
+"""NNX decoder (the port): embedding, pipelined or scanned layers, final norm, logits, loss.
+
+Twin of `migrate/linen/decoder.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from migrate import axes, numerics, sharding
+from migrate.config import Config
+from migrate.nnx.layers import DecoderLayer, DenseGeneral, Embed, RMSNorm
+from migrate.nnx.pipeline import Pipeline, scan_layers, stack_modules
+
+
+class Decoder(nnx.Module):
+    """llama2-style decoder. `use_pipeline=None` follows the config (pipeline when S > 1);
+    `False` gives the non-pipelined reference, all layers stacked on one `layers` axis."""
+
+    def __init__(
+        self,
+        config: Config,
+        mesh: Mesh,
+        use_pipeline: bool | None = None,
+        bubble_fill: float = 0.0,
+        *,
+        rngs: nnx.Rngs,
+    ) -> None:
+        cfg = self.config = config
+        self.mesh = mesh
+        self.pipelined = cfg.using_pipeline if use_pipeline is None else use_pipeline
+        self.token_embedder = Embed(cfg, rngs=rngs)
+        if self.pipelined:
+            self.pipeline = Pipeline(cfg, mesh, bubble_fill, rngs=rngs)
+        else:
+            self.layers = stack_modules(
+                lambda r: DecoderLayer(cfg, mesh, rngs=r),
+                cfg.base_num_decoder_layers,
+                axes.REFERENCE_LAYERS,
+                rngs,
+            )
+        self.decoder_norm = RMSNorm(cfg, rngs=rngs)
+        self.logits_dense = DenseGeneral(
+            (cfg.base_emb_dim,), (cfg.vocab_size,), axes.LOGITS_KERNEL, cfg, rngs=rngs
+        )
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg, rules = self.config, self.config.logical_axis_rules
+        x = self.token_embedder(tokens)
+        x = sharding.constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        if self.pipelined:
+            x = self.pipeline(x, positions)
+        else:
+            x = scan_layers(self.layers, x, positions, numerics.remat_policy(cfg))
+        x = self.decoder_norm(x)
+        logits = self.logits_dense(x)
+        logits = logits.astype(jnp.float32)
+        return sharding.constrain(logits, axes.BATCH_LENGTH_VOCAB, self.mesh, rules)
+
+
+def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Token-mean cross entropy: microbatching cannot change its scale."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def param_shardings(abstract_state: nnx.State, mesh: Mesh, cfg: Config) -> nnx.State:
+    """NamedSharding per Variable from its `out_sharding` names (Linen's resolver)."""
+
+    def resolve(variable: nnx.Variable) -> NamedSharding:
+        names = variable.get_metadata().get("out_sharding") or ()
+        return sharding.named_sharding(tuple(names), mesh, sharding.logical_rules(cfg))
+
+    return jax.tree.map(resolve, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def init_model(
+    cfg: Config,
+    mesh: Mesh,
+    seed: int | None = None,
+    use_pipeline: bool | None = None,
+    bubble_fill: float = 0.0,
+) -> Decoder:
+    """A Decoder whose arrays are created directly with their sharding on the mesh.
+
+    NNX's eager sharding would shard each layer inside `nnx.vmap`, before the stacked axis
+    exists, leaving the stage axis replicated; so build without it and place every array by its
+    full `out_sharding` in one jitted init.
+    """
+    key = jax.random.key(cfg.seed if seed is None else seed, impl=cfg.jax_default_prng_impl)
+    build = functools.partial(Decoder, cfg, mesh, use_pipeline, bubble_fill)
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: build(rngs=nnx.Rngs(key)))
+    graphdef, abstract_state = nnx.split(abstract)
+
+    @functools.partial(jax.jit, out_shardings=param_shardings(abstract_state, mesh, cfg))
+    def create(key):
+        with nnx.use_eager_sharding(False):
+            return nnx.split(build(rngs=nnx.Rngs(key)))[1]
+
+    return nnx.merge(graphdef, create(key))

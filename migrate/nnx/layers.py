@@ -1,0 +1,197 @@
+"""NNX decoder layers (the port): RMSNorm, rotary embedding, GQA attention, SwiGLU MLP.
+
+Twin of `migrate/linen/layers.py`: same classes, same order, same parameter names.
+Every parameter is an `nnx.Param` whose `out_sharding` metadata holds the logical names declared
+in `migrate.axes`, exactly the names of the Linen twin's `LogicallyPartitioned` box.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh
+
+from migrate import axes, numerics, sharding
+from migrate.config import Config
+
+# Large negative score for masked positions (finite, so a fully masked row stays NaN-free).
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+class DenseGeneral(nnx.Module):
+    """`x @ kernel`, contracting the trailing `len(in_features)` dims of x."""
+
+    def __init__(
+        self,
+        in_features: tuple[int, ...],
+        out_features: tuple[int, ...],
+        kernel_axes: tuple[str, ...],
+        config: Config,
+        *,
+        rngs: nnx.Rngs,
+    ) -> None:
+        self.in_features = in_features
+        self.config = config
+        n_in = len(in_features)
+        init = numerics.kernel_init(
+            in_axis=tuple(range(n_in)), out_axis=tuple(range(n_in, n_in + len(out_features)))
+        )
+        self.kernel = nnx.Param(
+            init(rngs.params(), (*in_features, *out_features), numerics.weight_dtype(config)),
+            out_sharding=kernel_axes,
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        n_in = len(self.in_features)
+        dtype = numerics.activation_dtype(cfg)
+        contract_x = tuple(range(x.ndim - n_in, x.ndim))
+        return jnp.tensordot(
+            x.astype(dtype),
+            self.kernel[...].astype(dtype),
+            axes=(contract_x, tuple(range(n_in))),
+            precision=numerics.precision(cfg),
+        )
+
+
+class Embed(nnx.Module):
+    """Token id -> embedding row."""
+
+    def __init__(self, config: Config, *, rngs: nnx.Rngs) -> None:
+        self.config = config
+        self.embedding = nnx.Param(
+            numerics.embedding_init(
+                rngs.params(),
+                (config.vocab_size, config.base_emb_dim),
+                numerics.weight_dtype(config),
+            ),
+            out_sharding=axes.EMBEDDING,
+        )
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        table = self.embedding[...]
+        return jnp.take(table, tokens, axis=0).astype(numerics.activation_dtype(self.config))
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm in float32 with a learned scale."""
+
+    def __init__(self, config: Config, *, rngs: nnx.Rngs) -> None:
+        self.config = config
+        self.scale = nnx.Param(
+            numerics.scale_init(
+                rngs.params(), (config.base_emb_dim,), numerics.weight_dtype(config)
+            ),
+            out_sharding=axes.NORM_SCALE,
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        x32 = x.astype(jnp.float32)
+        mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        normed = x32 * jax.lax.rsqrt(mean_square + cfg.normalization_layer_epsilon)
+        scale = self.scale[...]
+        return (normed * scale.astype(jnp.float32)).astype(numerics.activation_dtype(cfg))
+
+
+class RotaryEmbedding(nnx.Module):
+    """Rotates halves (`x1, x2 -> x1 cos - x2 sin, x2 cos + x1 sin`) by position / timescale."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        cfg = self.config
+        half = cfg.head_dim // 2
+        fraction = 2 * jnp.arange(half, dtype=jnp.float32) / cfg.head_dim
+        timescale = (
+            cfg.rope_min_timescale * (cfg.rope_max_timescale / cfg.rope_min_timescale) ** fraction
+        )
+        angle = positions.astype(jnp.float32)[..., None, None] / timescale  # [b, t, 1, half]
+        sin, cos = jnp.sin(angle), jnp.cos(angle)
+        x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+        rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        return rotated.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query causal self-attention with rotary position embedding."""
+
+    def __init__(self, config: Config, mesh: Mesh, *, rngs: nnx.Rngs) -> None:
+        cfg = self.config = config
+        self.mesh = mesh
+        emb, heads, kv_heads, head_dim = (
+            cfg.base_emb_dim,
+            cfg.base_num_query_heads,
+            cfg.base_num_kv_heads,
+            cfg.head_dim,
+        )
+        self.query = DenseGeneral((emb,), (heads, head_dim), axes.QUERY, cfg, rngs=rngs)
+        self.key = DenseGeneral((emb,), (kv_heads, head_dim), axes.KEY, cfg, rngs=rngs)
+        self.value = DenseGeneral((emb,), (kv_heads, head_dim), axes.VALUE, cfg, rngs=rngs)
+        self.out = DenseGeneral((heads, head_dim), (emb,), axes.ATTENTION_OUT, cfg, rngs=rngs)
+        self.rotary = RotaryEmbedding(cfg)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        cfg = self.config
+        rules = cfg.logical_axis_rules
+        query = self.rotary(self.query(x), positions)
+        key = self.rotary(self.key(x), positions)
+        value = self.value(x)
+        query = sharding.constrain(query, axes.BATCH_LENGTH_HEADS_KV, self.mesh, rules)
+        key = sharding.constrain(key, axes.BATCH_LENGTH_KV_HEADS_KV, self.mesh, rules)
+        value = sharding.constrain(value, axes.BATCH_LENGTH_KV_HEADS_KV, self.mesh, rules)
+        query = query * cfg.head_dim**-0.5
+        batch, length, heads, head_dim = query.shape
+        groups = heads // cfg.base_num_kv_heads
+        grouped_query = query.reshape(batch, length, cfg.base_num_kv_heads, groups, head_dim)
+        scores = jnp.einsum(
+            "btkgd,bskd->bkgts", grouped_query, key, precision=numerics.precision(cfg)
+        ).astype(jnp.float32)
+        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+        scores = jnp.where(causal, scores, MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
+        context = jnp.einsum("bkgts,bskd->btkgd", probs, value, precision=numerics.precision(cfg))
+        context = context.reshape(batch, length, heads, head_dim)
+        return self.out(context)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: `(silu(x @ wi_0) * (x @ wi_1)) @ wo`."""
+
+    def __init__(self, config: Config, mesh: Mesh, *, rngs: nnx.Rngs) -> None:
+        cfg = self.config = config
+        self.mesh = mesh
+        emb, mlp = cfg.base_emb_dim, cfg.base_mlp_dim
+        self.wi_0 = DenseGeneral((emb,), (mlp,), axes.MLP_IN, cfg, rngs=rngs)
+        self.wi_1 = DenseGeneral((emb,), (mlp,), axes.MLP_IN, cfg, rngs=rngs)
+        self.wo = DenseGeneral((mlp,), (emb,), axes.MLP_OUT, cfg, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        hidden = jax.nn.silu(self.wi_0(x)) * self.wi_1(x)
+        hidden = sharding.constrain(
+            hidden, axes.BATCH_LENGTH_MLP, self.mesh, self.config.logical_axis_rules
+        )
+        return self.wo(hidden)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm llama2 block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+
+    def __init__(self, config: Config, mesh: Mesh, *, rngs: nnx.Rngs) -> None:
+        self.config = config
+        self.mesh = mesh
+        self.pre_self_attention_layer_norm = RMSNorm(config, rngs=rngs)
+        self.self_attention = Attention(config, mesh, rngs=rngs)
+        self.post_self_attention_layer_norm = RMSNorm(config, rngs=rngs)
+        self.mlp = MLP(config, mesh, rngs=rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        rules = self.config.logical_axis_rules
+        x = checkpoint_name(x, axes.DECODER_LAYER_INPUT)
+        x = sharding.constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)
+        x = x + self.self_attention(self.pre_self_attention_layer_norm(x), positions)
+        x = x + self.mlp(self.post_self_attention_layer_norm(x))
+        return sharding.constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)

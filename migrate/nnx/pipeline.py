@@ -1,0 +1,212 @@
+"""NNX pipeline (the port): stages vmapped over the `stage` mesh axis, circular repeats.
+
+Twin of `migrate/linen/pipeline.py`. The behaviour is PIPELINE.md's. Weights are created once by
+`nnx.vmap` under `nnx.split_rngs`, with `nnx.transform_metadata` adding the stacked axis names
+(stage axis `layers`, repeat axis `circular_repeats`); the iteration loop is functional: split
+the stage module once, then `jax.vmap(spmd_axis_name='stage')` over `nnx.merge(graphdef, w)`.
+
+`jax.vmap` over merged state rather than `nnx.vmap` in the loop: see docs/performance.md for the
+measured compile time and temp memory of both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh, NamedSharding
+
+from migrate import axes, numerics, schedule, sharding
+from migrate.config import Config
+from migrate.nnx.layers import DecoderLayer
+
+
+def stack_modules(
+    create: Callable[[nnx.Rngs], nnx.Module], count: int, axis_name: str, rngs: nnx.Rngs
+) -> nnx.Module:
+    """`count` modules from `create`, weights stacked on a new leading axis `axis_name`.
+
+    The axis name is added to every Variable's `out_sharding` by `nnx.transform_metadata`,
+    which (unlike the older `transform_metadata=` keyword) works with graph updates off too.
+    """
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=0, out_axes=0)
+    @nnx.transform_metadata(in_axes=0, out_axes=0, partition=axis_name)
+    def create_stacked(rngs: nnx.Rngs) -> nnx.Module:
+        return create(rngs)
+
+    return create_stacked(rngs)
+
+
+def scan_layers(layer: nnx.Module, x: jax.Array, positions: jax.Array, policy=None) -> jax.Array:
+    """Apply the stacked `layer` once per slice of its leading weight axis, in order."""
+    graphdef, state = nnx.split(layer)
+
+    def body(carry, layer_state):
+        return nnx.merge(graphdef, layer_state)(carry, positions), None
+
+    if policy is not None:
+        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    x, _ = jax.lax.scan(body, x, state)
+    return x
+
+
+class StageLayers(nnx.Module):
+    """The L decoder layers one stage runs per visit (scanned, or L separate modules)."""
+
+    def __init__(self, config: Config, mesh: Mesh, *, rngs: nnx.Rngs) -> None:
+        self.config = config
+        if config.scan_layers_per_stage:
+            self.layers = stack_modules(
+                lambda r: DecoderLayer(config, mesh, rngs=r),
+                config.layers_per_stage,
+                axes.LAYERS_PER_STAGE,
+                rngs,
+            )
+        else:
+            for slot in range(config.layers_per_stage):
+                setattr(self, f"layers_{slot}", DecoderLayer(config, mesh, rngs=rngs))
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        cfg = self.config
+        if cfg.scan_layers_per_stage:
+            return scan_layers(self.layers, x, positions)
+        for slot in range(cfg.layers_per_stage):
+            x = getattr(self, f"layers_{slot}")(x, positions)
+        return x
+
+
+def stacked_stages(cfg: Config, mesh: Mesh, rngs: nnx.Rngs) -> StageLayers:
+    """`StageLayers` with weights `[R, S, ...]` (R omitted when R == 1)."""
+    create = lambda r: stack_modules(
+        lambda r2: StageLayers(cfg, mesh, rngs=r2), cfg.num_stages, axes.STAGE, r
+    )
+    if cfg.num_repeats > 1:
+        return stack_modules(create, cfg.num_repeats, axes.CIRCULAR_REPEATS, rngs)
+    return create(rngs)
+
+
+def split_microbatches(x: jax.Array, num_microbatches: int) -> jax.Array:
+    """`[B, ...] -> [M, B/M, ...]`, microbatch m holding rows `b % M == m`.
+
+    Strided rather than contiguous, so that each microbatch spreads over the batch shards and
+    splitting needs no communication.
+    """
+    per_microbatch = x.shape[0] // num_microbatches
+    return x.reshape(per_microbatch, num_microbatches, *x.shape[1:]).swapaxes(0, 1)
+
+
+def merge_microbatches(x: jax.Array) -> jax.Array:
+    """Inverse of `split_microbatches`: `[M, B/M, ...] -> [B, ...]` in the original row order."""
+    return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+class Pipeline(nnx.Module):
+    """The decoder layers as an S-stage circular pipeline over M microbatches.
+
+    `bubble_fill` is a test hook: the value that fills the loop buffers before any stage has
+    written them. NaN there must reach no output and no gradient.
+    """
+
+    def __init__(
+        self, config: Config, mesh: Mesh, bubble_fill: float = 0.0, *, rngs: nnx.Rngs
+    ) -> None:
+        self.config = config
+        self.mesh = mesh
+        self.bubble_fill = bubble_fill
+        self.layers = stacked_stages(config, mesh, rngs)
+
+    def __call__(self, inputs: jax.Array, positions: jax.Array) -> jax.Array:
+        graphdef, weights = nnx.split(self.layers)
+        if self.config.pipeline_fsdp_ag_once:
+            weights = self.all_gather_over_fsdp(weights)
+        return self.run(graphdef, weights, inputs, positions)
+
+    def all_gather_over_fsdp(self, weights: nnx.State) -> nnx.State:
+        """Constrain the stage weights to their sharding without `fsdp`, once, before the loop."""
+        cfg = self.config
+
+        def gather(variable: nnx.Variable) -> nnx.Variable:
+            names = variable.get_metadata()["out_sharding"]
+            spec = sharding.logical_to_spec(tuple(names), cfg.logical_axis_rules)
+            spec = sharding.without_mesh_axis(spec, "fsdp")
+            return variable.replace(
+                jax.lax.with_sharding_constraint(variable[...], NamedSharding(self.mesh, spec))
+            )
+
+        return jax.tree.map(gather, weights, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def run_stages(self, graphdef, weights, stage_inputs, stage_positions, repeat_ids):
+        """Every stage applies its layers (for its current repeat) to its input, in parallel."""
+        cfg = self.config
+
+        def one_stage(stage_weights, x, pos, repeat):
+            if cfg.num_repeats > 1:
+                stage_weights = jax.tree.map(lambda w: w[repeat], stage_weights)
+            return nnx.merge(graphdef, stage_weights)(x, pos)
+
+        weight_axis = 1 if cfg.num_repeats > 1 else 0
+        return jax.vmap(one_stage, in_axes=(weight_axis, 0, 0, 0), spmd_axis_name="stage")(
+            weights, stage_inputs, stage_positions, repeat_ids
+        )
+
+    def run(self, graphdef, weights, inputs: jax.Array, positions: jax.Array) -> jax.Array:
+        """The iteration loop: `M*R + d*(S-1)` iterations of all stages, then reassembly."""
+        cfg, mesh, rules = self.config, self.mesh, self.config.logical_axis_rules
+        num_micro = cfg.num_microbatches
+        micro_inputs = sharding.constrain(
+            split_microbatches(inputs, num_micro), axes.MICROBATCH_BATCH_LENGTH_EMBED, mesh, rules
+        )
+        micro_positions = split_microbatches(positions, num_micro)
+        stage_shape = (cfg.num_stages, *micro_inputs.shape[1:])
+        fill = jnp.asarray(self.bubble_fill, inputs.dtype)
+        loop_state = {
+            "shift": jnp.full(stage_shape, fill),  # each stage's input for the next iteration
+            "previous": jnp.full(stage_shape, fill),  # last iteration's outputs (delay d=2)
+            "outputs": jnp.full(micro_inputs.shape, fill),  # finished microbatches; circular
+        }
+
+        def iteration(state, t):
+            micro_ids, repeat_ids, valid = schedule.stage_work(cfg, t)
+            # Stage 0 takes a fresh microbatch for t < M, afterwards the last stage's output
+            # for the same microbatch one repeat earlier (circular storage).
+            first = jnp.where(
+                t < num_micro, micro_inputs[t % num_micro], state["outputs"][t % num_micro]
+            )
+            stage_inputs = state["shift"].at[0].set(first)
+            # Idle slots compute on zeros: NaN x 0 in the backward pass would poison gradients.
+            stage_inputs = jnp.where(valid[:, None, None, None], stage_inputs, 0)
+            stage_inputs = checkpoint_name(stage_inputs, axes.ITERATION_INPUT)
+            stage_inputs = sharding.constrain(
+                stage_inputs, axes.STAGE_BATCH_LENGTH_EMBED, mesh, rules
+            )
+            stage_outputs = self.run_stages(
+                graphdef, weights, stage_inputs, micro_positions[micro_ids], repeat_ids
+            )
+            finished, finished_valid = micro_ids[-1], valid[-1]
+            outputs = (
+                state["outputs"]
+                .at[finished]
+                .set(jnp.where(finished_valid, stage_outputs[-1], state["outputs"][finished]))
+            )
+            forwarded = stage_outputs if cfg.forwarding_delay == 1 else state["previous"]
+            shift = sharding.constrain(
+                jnp.roll(forwarded, 1, axis=0), axes.STAGE_BATCH_LENGTH_EMBED, mesh, rules
+            )
+            return {"shift": shift, "previous": stage_outputs, "outputs": outputs}, None
+
+        policy = numerics.remat_policy(cfg)
+        if cfg.set_remat_policy_on_pipeline_iterations and policy is not None:
+            iteration = jax.checkpoint(
+                iteration, policy=policy, prevent_cse=not cfg.scan_pipeline_iterations
+            )
+        if cfg.scan_pipeline_iterations:
+            loop_state, _ = jax.lax.scan(iteration, loop_state, jnp.arange(cfg.num_iterations))
+        else:
+            for t in range(cfg.num_iterations):
+                loop_state, _ = iteration(loop_state, jnp.asarray(t))
+        return merge_microbatches(loop_state["outputs"])

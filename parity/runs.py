@@ -1,0 +1,188 @@
+"""Forward+backward runs of either twin, with compiled functions and initial weights cached.
+
+Every run returns host (numpy) values in one common form, Linen's: loss, logits, and gradients
+as an unboxed `{'params': ...}` tree, so that any two runs compare leaf by leaf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from migrate import convert
+from migrate.config import Config
+from migrate.linen import decoder as linen_decoder
+from migrate.nnx import decoder as nnx_decoder
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One forward+backward on the host: loss, logits, unboxed Linen-form gradients."""
+
+    loss: Any
+    logits: Any
+    grads: Any
+
+    def to_reference_layout(self, cfg: Config) -> Run:
+        """The same run with pipeline-layout gradients moved to the reference layout."""
+        grads = convert.linen_pipeline_to_reference(self.grads, cfg)
+        return dataclasses.replace(self, grads=grads)
+
+
+def schedule_free(cfg: Config) -> Config:
+    """`cfg` with the pipeline-schedule keys at their defaults.
+
+    Initial weights and the reference decoder's arithmetic do not depend on these keys, so
+    configs that differ only in them share one initialisation and one compiled reference.
+    """
+    return cfg.replace(
+        model_name="schedule-free",
+        num_pipeline_microbatches=-1,
+        pipeline_delay_activation_forwarding=False,
+        pipeline_fsdp_ag_once=False,
+        scan_pipeline_iterations=True,
+        set_remat_policy_on_pipeline_iterations=True,
+        remat_policy="save_iteration_and_layer_inputs",
+    )
+
+
+def nnx_mode() -> tuple[bool, bool]:
+    """(graph mode, graph updates) now in force: NNX objects built under one are kept apart."""
+    return nnx.set_graph_mode.current_value(), nnx.set_graph_updates.current_value()
+
+
+# ------------------------------------------------------------------ Linen
+
+
+@functools.cache
+def linen_step(
+    cfg: Config, mesh: Mesh, use_pipeline: bool | None = None, bubble_fill: float = 0.0
+) -> Callable:
+    """Jitted `(variables, batch) -> ((loss, logits), grads)` for a Linen decoder."""
+    model = linen_decoder.Decoder(cfg, mesh, use_pipeline=use_pipeline, bubble_fill=bubble_fill)
+
+    def loss_fn(variables, batch):
+        logits = model.apply(variables, batch["inputs"])
+        return linen_decoder.cross_entropy_loss(logits, batch["targets"]), logits
+
+    return jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+
+
+@functools.cache
+def linen_initial_variables(cfg: Config, mesh: Mesh, use_pipeline: bool | None = None):
+    """Boxed variables from the Linen decoder's own init, placed on the mesh (cached)."""
+    cfg = schedule_free(cfg)
+    tokens = jnp.zeros((cfg.global_batch_size, cfg.max_target_length), jnp.int32)
+    model = linen_decoder.Decoder(cfg, mesh, use_pipeline=use_pipeline)
+    return linen_decoder.init_variables(model, tokens)
+
+
+def linen_abstract_variables(cfg: Config, mesh: Mesh, use_pipeline: bool | None = None):
+    tokens = jax.ShapeDtypeStruct((cfg.global_batch_size, cfg.max_target_length), jnp.int32)
+    model = linen_decoder.Decoder(schedule_free(cfg), mesh, use_pipeline=use_pipeline)
+    return jax.eval_shape(model.init, jax.random.key(0), tokens)
+
+
+def place_linen(variables, cfg: Config, mesh: Mesh, use_pipeline: bool | None = None):
+    """Host or device Linen variables -> device arrays sharded per their logical names."""
+    abstract = linen_abstract_variables(cfg, mesh, use_pipeline)
+    return jax.device_put(variables, linen_decoder.param_shardings(abstract, mesh, cfg))
+
+
+def run_linen(
+    cfg: Config,
+    mesh: Mesh,
+    variables,
+    batch,
+    use_pipeline: bool | None = None,
+    bubble_fill: float = 0.0,
+) -> Run:
+    (loss, logits), grads = linen_step(cfg, mesh, use_pipeline, bubble_fill)(variables, batch)
+    loss, logits, grads = jax.device_get((loss, logits, grads))
+    return Run(loss, logits, nn.meta.unbox(grads))
+
+
+# ------------------------------------------------------------------ NNX
+
+
+@functools.cache
+def _nnx_abstract(
+    cfg: Config, mesh: Mesh, use_pipeline: bool | None, bubble_fill: float, mode: tuple[bool, bool]
+):
+    del mode  # part of the cache key only
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(
+            lambda: nnx_decoder.Decoder(cfg, mesh, use_pipeline, bubble_fill, rngs=nnx.Rngs(0))
+        )
+    return nnx.split(abstract)
+
+
+def nnx_abstract(
+    cfg: Config, mesh: Mesh, use_pipeline: bool | None = None, bubble_fill: float = 0.0
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, abstract state) of the NNX decoder, without allocating weights."""
+    return _nnx_abstract(cfg, mesh, use_pipeline, bubble_fill, nnx_mode())
+
+
+@functools.cache
+def _nnx_step(
+    cfg: Config, mesh: Mesh, use_pipeline: bool | None, bubble_fill: float, mode: tuple[bool, bool]
+) -> Callable:
+    graphdef, _ = _nnx_abstract(cfg, mesh, use_pipeline, bubble_fill, mode)
+
+    def loss_fn(params, batch):
+        logits = nnx.merge(graphdef, params)(batch["inputs"])
+        return nnx_decoder.cross_entropy_loss(logits, batch["targets"]), logits
+
+    return jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+
+
+def nnx_step(
+    cfg: Config, mesh: Mesh, use_pipeline: bool | None = None, bubble_fill: float = 0.0
+) -> Callable:
+    """Jitted `(params, batch) -> ((loss, logits), grads)` in the functional form."""
+    return _nnx_step(cfg, mesh, use_pipeline, bubble_fill, nnx_mode())
+
+
+@functools.cache
+def _nnx_initial_state(
+    cfg: Config, mesh: Mesh, use_pipeline: bool | None, mode: tuple[bool, bool]
+) -> nnx.State:
+    del mode
+    model = nnx_decoder.init_model(schedule_free(cfg), mesh, use_pipeline=use_pipeline)
+    return nnx.state(model, nnx.Param)
+
+
+def nnx_initial_state(cfg: Config, mesh: Mesh, use_pipeline: bool | None = None) -> nnx.State:
+    """Param state from the NNX decoder's own init, placed on the mesh (cached)."""
+    return _nnx_initial_state(cfg, mesh, use_pipeline, nnx_mode())
+
+
+def run_nnx(
+    cfg: Config,
+    mesh: Mesh,
+    params: nnx.State,
+    batch,
+    use_pipeline: bool | None = None,
+    bubble_fill: float = 0.0,
+) -> Run:
+    (loss, logits), grads = nnx_step(cfg, mesh, use_pipeline, bubble_fill)(params, batch)
+    loss, logits = jax.device_get((loss, logits))
+    grads = jax.device_get(nn.meta.unbox(convert.nnx_to_linen(grads)))
+    return Run(loss, logits, grads)
+
+
+def linen_to_nnx_params(
+    cfg: Config, mesh: Mesh, variables, use_pipeline: bool | None = None
+) -> nnx.State:
+    """Linen variables -> the NNX decoder's Param state (same arrays, checked strictly)."""
+    _, abstract = nnx_abstract(cfg, mesh, use_pipeline)
+    return convert.linen_to_nnx(variables, abstract)
