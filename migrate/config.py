@@ -51,6 +51,12 @@ class Config:
     rope_max_timescale: float
 
     per_device_batch_size: float
+    learning_rate: float
+    adam_b1: float
+    adam_b2: float
+    adam_eps: float
+    adam_weight_decay: float
+    gradient_clipping_threshold: float
     dtype: str
     weight_dtype: str
     matmul_precision: str
@@ -197,6 +203,12 @@ def _violations(cfg: Config) -> list[str]:
             getattr(cfg, key) in allowed,
             f"{key}={getattr(cfg, key)!r}: must be one of {', '.join(allowed)}",
         )
+    for key in ("learning_rate", "adam_eps"):
+        need(getattr(cfg, key) > 0, f"{key}={getattr(cfg, key)}: must be > 0")
+    for key in ("adam_b1", "adam_b2"):
+        need(0 <= getattr(cfg, key) < 1, f"{key}={getattr(cfg, key)}: must be in [0, 1)")
+    for key in ("adam_weight_decay", "gradient_clipping_threshold"):
+        need(getattr(cfg, key) >= 0, f"{key}={getattr(cfg, key)}: must be >= 0 (0 disables)")
     need(
         cfg.normalization_layer_epsilon > 0,
         f"normalization_layer_epsilon={cfg.normalization_layer_epsilon}: must be > 0",

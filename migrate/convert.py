@@ -76,18 +76,18 @@ def restore_boxes(arrays: Any, names: Any, mesh=None, rules=None) -> Any:
 # ------------------------------------------------------------------ flat views
 
 
-def _flatten(tree: Mapping[str, Any], prefix: Path = ()) -> dict[Path, Any]:
+def flatten_dict(tree: Mapping[str, Any], prefix: Path = ()) -> dict[Path, Any]:
     flat: dict[Path, Any] = {}
     for key, value in tree.items():
         path = (*prefix, str(key))
         if isinstance(value, Mapping):
-            flat.update(_flatten(value, path))
+            flat.update(flatten_dict(value, path))
         else:
             flat[path] = value
     return flat
 
 
-def _unflatten(flat: Mapping[Path, Any]) -> dict[str, Any]:
+def unflatten_dict(flat: Mapping[Path, Any]) -> dict[str, Any]:
     tree: dict[str, Any] = {}
     for path, value in flat.items():
         node = tree
@@ -180,8 +180,8 @@ def _match(
 
 def _linen_flat(params: Mapping[str, Any], renames: Mapping[Path, Path]):
     arrays, names = strip_boxes(params)
-    flat_arrays = _flatten(arrays)
-    flat_names = _flatten(names)
+    flat_arrays = flatten_dict(arrays)
+    flat_names = flatten_dict(names)
     return {_rename(p, renames): (v, flat_names[p]) for p, v in flat_arrays.items()}
 
 
@@ -233,8 +233,8 @@ def nnx_to_linen(
     if target is not None:
         linen_flat = _linen_flat(target["params"], {})
         _match("NNX -> Linen", linen_flat, flat)
-    arrays = _unflatten({p: v for p, (v, _) in flat.items()})
-    names = _unflatten({p: n for p, (_, n) in flat.items()})
+    arrays = unflatten_dict({p: v for p, (v, _) in flat.items()})
+    names = unflatten_dict({p: n for p, (_, n) in flat.items()})
     return {"params": restore_boxes(arrays, names)}
 
 

@@ -17,9 +17,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from migrate import convert, sharding
+from migrate import convert, optim
+from migrate import sharding as sharding_lib
 from migrate.config import Config
-from parity import compare, runs
+from parity import compare, drilldown, hlo, runs
 from parity.data import synthetic_batch
 from parity.runs import Run
 
@@ -36,6 +37,7 @@ class CheckResult:
     where: str
     details: tuple[dict[str, Any], ...] = ()
     message: str = ""
+    steps: tuple[dict[str, Any], ...] = ()  # per-step series (train), for the plot
 
 
 class Session:
@@ -44,7 +46,7 @@ class Session:
     def __init__(self, cfg: Config, bubble_fill: float = 0.0) -> None:
         self.cfg = cfg
         self.bubble_fill = bubble_fill
-        self.mesh = sharding.make_mesh(cfg)
+        self.mesh = sharding_lib.make_mesh(cfg)
         self.batch = synthetic_batch(cfg, self.mesh)
 
     @functools.cached_property
@@ -66,6 +68,20 @@ class Session:
         return convert.nnx_to_linen(self.nnx_params), self.nnx_params
 
     @functools.cache  # noqa: B019 (one Session per config; lives as long as its runs)
+    def train_start(self, framework: str):
+        """(params, opt_state, compiled train step, eval step) from the Linen-initialised
+        weights; the step is compiled once and shared by the train and sharding checks."""
+        tx = optim.make_optimizer(self.cfg)
+        if framework == "linen":
+            params = self.linen_variables["params"]
+            step, evaluate = runs.linen_train_fns(self.cfg, self.mesh)
+        else:
+            params = runs.linen_to_nnx_params(self.cfg, self.mesh, self.linen_variables)
+            step, evaluate = runs.nnx_train_fns(self.cfg, self.mesh)
+        opt_state = tx.init(params)
+        return params, opt_state, step.lower(params, opt_state, self.batch).compile(), evaluate
+
+    @functools.cache  # noqa: B019
     def run(self, framework: str, source: str, use_pipeline: bool | None = None) -> Run:
         """Forward+backward of one twin from `source` weights; reference runs get the weights
         moved by the placement formula."""
@@ -248,9 +264,228 @@ def pipeline(session: Session) -> CheckResult:
     return _result("pipeline", records, tol, _vacuity(cfg, named))
 
 
+def _linen_form(tree) -> Any:
+    """Any tree holding NNX States or Linen boxes -> plain nested dicts of host arrays."""
+    tree = jax.tree.map(
+        lambda x: nnx.to_pure_dict(x) if isinstance(x, nnx.State) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, nnx.State),
+    )
+    return jax.device_get(nn.meta.unbox(tree))
+
+
+def _params_unchanged(prefix: str, before, after) -> list[dict]:
+    records = _records(
+        prefix, compare.compare_trees(_linen_form(after), _linen_form(before)), compare.EXACT
+    )
+    return [r | {"passed": r["passed"] and r["mismatches"] == 0} for r in records]
+
+
+def train(
+    session: Session, steps: int = 5, on_step: Callable[[int, bool], None] | None = None
+) -> CheckResult:
+    """`steps` AdamW steps on both twins from the same weights and optimizer state, with a
+    forward-only evaluation before the first step and after the last. Per step: loss, gradient
+    norm, every updated parameter and every optimizer-state leaf; the first diverging step is
+    named."""
+    cfg, mesh = session.cfg, session.mesh
+    tol = compare.twin_tolerance(cfg)
+    linen_params, linen_opt, linen_step, linen_eval = session.train_start("linen")
+    nnx_params, nnx_opt, nnx_step, nnx_eval = session.train_start("nnx")
+    eval_batch = synthetic_batch(cfg, mesh, split="eval")
+
+    records: list[dict] = []
+    per_step: list[dict] = []
+
+    def evaluate(label: str) -> None:
+        before = (linen_params, nnx_params)
+        linen_loss, nnx_loss = (
+            linen_eval(linen_params, eval_batch),
+            nnx_eval(nnx_params, eval_batch),
+        )
+        records.extend(compare_runs_parts(f"eval-{label}/loss", nnx_loss, linen_loss, tol))
+        # Evaluation must leave no state behind on either side.
+        records.extend(_params_unchanged(f"eval-{label}/linen-params", before[0], linen_params))
+        records.extend(_params_unchanged(f"eval-{label}/nnx-params", before[1], nnx_params))
+
+    records.extend(
+        compare_runs_parts("init/opt_state", _linen_form(nnx_opt), _linen_form(linen_opt), tol)
+    )
+    evaluate("before")
+    losses = []
+    for step in range(steps):
+        batch = synthetic_batch(cfg, mesh, step=step)
+        linen_params, linen_opt, linen_metrics = linen_step(linen_params, linen_opt, batch)
+        nnx_params, nnx_opt, nnx_metrics = nnx_step(nnx_params, nnx_opt, batch)
+        step_records = []
+        for key in ("loss", "grad_norm"):
+            step_records += compare_runs_parts(
+                f"step {step}/{key}", nnx_metrics[key], linen_metrics[key], tol
+            )
+        step_records += compare_runs_parts(
+            f"step {step}/params", _linen_form(nnx_params), _linen_form(linen_params), tol
+        )
+        step_records += compare_runs_parts(
+            f"step {step}/opt_state", _linen_form(nnx_opt), _linen_form(linen_opt), tol
+        )
+        records.extend(step_records)
+        losses.append(float(linen_metrics["loss"]))
+        per_step.append(
+            {
+                "step": step,
+                "loss_linen": float(linen_metrics["loss"]),
+                "loss_nnx": float(nnx_metrics["loss"]),
+                "max_rel": max(r["max_rel"] for r in step_records),
+                "passed": all(r["passed"] for r in step_records),
+            }
+        )
+    evaluate("after")
+    problems = []
+    if steps and not losses[-1] < losses[0] + 1.0:
+        problems.append(f"training diverged: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    result = _result("train", records, tol, problems)
+    return dataclasses.replace(result, steps=tuple(per_step))
+
+
+def compare_runs_parts(prefix: str, actual, expected, tol: compare.Tolerance) -> list[dict]:
+    """Records for two trees (or arrays) of the same structure."""
+    return _records(prefix, compare.compare_trees(actual, expected), tol)
+
+
+def _sharding_record(tensor: str, passed: bool, linen: Any, nnx_side: Any) -> dict:
+    return {
+        "tensor": tensor,
+        "passed": passed,
+        "linen": str(linen),
+        "nnx": str(nnx_side),
+        "max_rel": 0.0 if passed else 1.0,
+    }
+
+
+def sharding(session: Session) -> CheckResult:
+    """Per parameter: Linen box names vs NNX `out_sharding`, the rank check, the resolved
+    PartitionSpec, the NamedSharding of the initialised arrays; the compiled train steps'
+    input and output shardings; the count of each collective in both compiled train steps."""
+    cfg, mesh, rules = session.cfg, session.mesh, session.cfg.logical_axis_rules
+    records = []
+    linen_abstract = runs.linen_abstract_variables(cfg, mesh)["params"]
+    _, nnx_abstract = runs.nnx_abstract(cfg, mesh)
+    linen_flat = convert.flatten_dict(convert.strip_boxes(linen_abstract)[1])
+    nnx_flat = convert.nnx_flat_params(nnx_abstract)
+    linen_arrays = convert.flatten_dict(nn.meta.unbox(session.linen_variables["params"]))
+    nnx_arrays = convert.flatten_dict(nnx.to_pure_dict(session.nnx_params))
+    for path in sorted(set(linen_flat) | set(nnx_flat)):
+        where = "/".join(path)
+        linen_names = linen_flat.get(path)
+        nnx_names = convert.nnx_names(nnx_flat[path]) if path in nnx_flat else None
+        records.append(
+            _sharding_record(
+                f"{where}: names",
+                linen_names == nnx_names and linen_names is not None,
+                linen_names,
+                nnx_names,
+            )
+        )
+        if linen_names is None or nnx_names is None:
+            continue
+        ndim = len(linen_arrays[path].shape)
+        records.append(
+            _sharding_record(
+                f"{where}: rank",
+                len(linen_names) == ndim and len(nnx_names) == ndim,
+                f"{len(linen_names)} names, ndim {ndim}",
+                f"{len(nnx_names)} names, ndim {ndim}",
+            )
+        )
+        linen_spec = sharding_lib.logical_to_spec(linen_names, rules)
+        nnx_spec = sharding_lib.logical_to_spec(nnx_names, rules)
+        records.append(
+            _sharding_record(f"{where}: spec", linen_spec == nnx_spec, linen_spec, nnx_spec)
+        )
+        expected = jax.sharding.NamedSharding(mesh, linen_spec)
+        linen_placed, nnx_placed = linen_arrays[path].sharding, nnx_arrays[path].sharding
+        records.append(
+            _sharding_record(
+                f"{where}: placed",
+                expected.is_equivalent_to(linen_placed, ndim)
+                and expected.is_equivalent_to(nnx_placed, ndim),
+                linen_placed.spec,
+                nnx_placed.spec,
+            )
+        )
+
+    linen_compiled, nnx_compiled = session.train_start("linen")[2], session.train_start("nnx")[2]
+    for side in ("input", "output"):
+        linen_sh = jax.tree.leaves(getattr(linen_compiled, f"{side}_shardings"))
+        nnx_sh = jax.tree.leaves(getattr(nnx_compiled, f"{side}_shardings"))
+        linen_avals = jax.tree.leaves(_avals(linen_compiled, side))
+        if len(linen_sh) != len(nnx_sh):
+            records.append(
+                _sharding_record(f"train step {side}s: count", False, len(linen_sh), len(nnx_sh))
+            )
+            continue
+        for i, (a, b, aval) in enumerate(zip(linen_sh, nnx_sh, linen_avals, strict=False)):
+            ndim = len(aval.shape)
+            records.append(
+                _sharding_record(
+                    f"train step {side} {i}",
+                    a.is_equivalent_to(b, ndim),
+                    getattr(a, "spec", a),
+                    getattr(b, "spec", b),
+                )
+            )
+    linen_counts = hlo.collective_counts(linen_compiled.as_text())
+    nnx_counts = hlo.collective_counts(nnx_compiled.as_text())
+    for kind in hlo.COLLECTIVES:
+        records.append(
+            _sharding_record(
+                f"collectives: {kind}",
+                linen_counts[kind] == nnx_counts[kind],
+                linen_counts[kind],
+                nnx_counts[kind],
+            )
+        )
+    failing = [r for r in records if not r["passed"]]
+    worst = failing[0] if failing else records[-1]
+    return CheckResult(
+        name="sharding",
+        passed=not failing,
+        metric="mismatches",
+        value=float(len(failing)),
+        tolerance=0.0,
+        where=worst["tensor"] if failing else f"{len(records)} facts agree",
+        details=tuple(records),
+        message=(
+            f"linen {worst['linen']} vs nnx {worst['nnx']}"
+            if failing
+            else "collectives per train step: "
+            + ", ".join(f"{k}={v}" for k, v in linen_counts.items())
+        ),
+    )
+
+
+def _avals(compiled, side: str):
+    """Shapes of the compiled step's flattened inputs or outputs (`.shape` per leaf)."""
+    return compiled.args_info if side == "input" else compiled.out_info
+
+
+def layers(session: Session) -> CheckResult:
+    """Drill-down: the first layer and tensor, and for pipelines the first iteration and
+    stage, where NNX departs from Linen."""
+    cfg = session.cfg
+    tol = compare.twin_tolerance(cfg)
+    records = drilldown.layer_records(session, tol)
+    if cfg.using_pipeline:
+        records += drilldown.iteration_records(session, tol)
+    return _result("layers", records, tol)
+
+
 CHECKS: dict[str, Callable[[Session], CheckResult]] = {
     "roundtrip": roundtrip,
     "forward": forward,
     "grads": grads,
     "pipeline": pipeline,
+    "sharding": sharding,
+    "train": train,
+    "layers": layers,
 }

@@ -1,27 +1,55 @@
-"""The `parity` command: `parity CONFIG [key=value ...] [--checks=a,b] [--json=PATH]`.
+"""The `parity` command: does the NNX twin compute and shard exactly what Linen does?
 
-Exit 0 when every check passes, 1 when any fails, 2 for usage or config errors.
-JAX is imported only after the config is read, so that the simulated CPU device count can be
-set from the config's mesh first.
+    parity CONFIG [key=value ...] [--checks=a,b] [--steps=N] [--json=PATH] [--junit=PATH]
+                  [--plot=PATH] [--golden=DIR] [--update_golden]
+
+Exit 0 when every check passes, 1 when any fails, 2 for usage or config errors (a message, no
+traceback). JAX is imported only after the config is read, so that simulated CPU devices can
+be requested for the config's mesh first.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from migrate.config import ConfigError, load_config
 
+CHECK_NAMES = ("roundtrip", "forward", "grads", "sharding", "pipeline", "train", "layers")
+# Run by themselves only when asked, or (layers) when forward or grads fails.
+ON_REQUEST = ("layers",)
+
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
-    "checks", None, "Checks to run (default: all): roundtrip, forward, grads, pipeline."
+    "checks",
+    None,
+    f"Checks to run (default: all but {', '.join(ON_REQUEST)}). Known: {', '.join(CHECK_NAMES)}.",
 )
+flags.DEFINE_integer("steps", 5, "Optimizer steps of the train check.", lower_bound=0)
 flags.DEFINE_string("json", None, "Write the JSON report here.")
+flags.DEFINE_string("junit", None, "Write a JUnit XML report here (one testcase per check).")
+flags.DEFINE_string("plot", None, "Write a PNG of the train check's per-step errors here.")
+flags.DEFINE_string(
+    "golden",
+    None,
+    "Directory of golden sharding reports: compare with "
+    "<DIR>/<model_name>.sharding.json (written when missing).",
+)
+flags.DEFINE_boolean("update_golden", False, "Rewrite the golden sharding report.")
+flags.DEFINE_string(
+    "compilation_cache_dir",
+    os.environ.get(
+        "JAX_COMPILATION_CACHE_DIR", str(Path.home() / ".cache" / "linen-nnx-parity" / "xla")
+    ),
+    "Persistent XLA compilation cache ('' disables).",
+)
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -43,51 +71,132 @@ def usage_error(message: str) -> int:
     return EXIT_USAGE
 
 
+def progress(message: str) -> None:
+    print(f"[parity] {message}", file=sys.stderr, flush=True)
+
+
+def _select_checks() -> list[str] | str:
+    selected = FLAGS.checks or [c for c in CHECK_NAMES if c not in ON_REQUEST]
+    unknown = [c for c in selected if c not in CHECK_NAMES]
+    if unknown:
+        return f"unknown checks {unknown}; known: {', '.join(CHECK_NAMES)}"
+    return selected
+
+
 def run(argv: Sequence[str]) -> int:
     """The command body; returns the exit status."""
     positional = list(argv[1:])
     if not positional:
         return usage_error("missing CONFIG (for example configs/llama2-tiny.yml)")
-    config_path, overrides = positional[0], positional[1:]
     try:
-        cfg = load_config(config_path, overrides)
+        cfg = load_config(positional[0], positional[1:])
     except ConfigError as e:
         return usage_error(str(e))
+    selected = _select_checks()
+    if isinstance(selected, str):
+        return usage_error(selected)
     ensure_simulated_devices(cfg.num_devices)
 
-    from migrate.sharding import MeshError
-    from parity import checks, report  # JAX starts here
+    import jax  # JAX starts here
 
-    available = checks.CHECKS
-    selected = FLAGS.checks or list(available)
-    unknown = [c for c in selected if c not in available]
-    if unknown:
-        return usage_error(f"unknown checks {unknown}; known: {', '.join(available)}")
+    if FLAGS.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+    from migrate.sharding import MeshError
+    from parity import checks, report
+
     try:
         session = checks.Session(cfg)
     except MeshError as e:
         return usage_error(str(e))
-    results = []
-    for name in selected:
+    progress(
+        f"{cfg.model_name}: {cfg.num_devices} devices, S={cfg.num_stages} "
+        f"M={cfg.num_microbatches} R={cfg.num_repeats} L={cfg.layers_per_stage}; "
+        f"checks: {', '.join(selected)}"
+    )
+    results, durations = [], []
+
+    def run_check(name: str) -> None:
         start = time.perf_counter()
-        print(f"[parity] {cfg.model_name}: running {name} ...", file=sys.stderr, flush=True)
-        result = available[name](session)
-        print(
-            f"[parity] {name}: {'PASS' if result.passed else 'FAIL'} "
-            f"({time.perf_counter() - start:.1f}s)",
-            file=sys.stderr,
-            flush=True,
-        )
+        progress(f"{name} ...")
+        if name == "train":
+            result = checks.train(
+                session,
+                FLAGS.steps,
+                on_step=lambda s, ok: progress(
+                    f"train step {s + 1}/{FLAGS.steps}: {'ok' if ok else 'DIVERGED'}"
+                ),
+            )
+        else:
+            result = checks.CHECKS[name](session)
+        durations.append(time.perf_counter() - start)
+        progress(f"{name}: {'PASS' if result.passed else 'FAIL'} ({durations[-1]:.1f}s)")
         results.append(result)
+
+    for name in selected:
+        run_check(name)
+    drill_down = any(r.name in ("forward", "grads") and not r.passed for r in results)
+    if drill_down and "layers" not in selected:
+        progress("forward or grads failed: drilling down per layer")
+        run_check("layers")
+
+    if FLAGS.golden:
+        results.append(_golden_result(checks, report, session))
+        durations.append(0.0)
     report.render_table(results, cfg)
     if FLAGS.json:
         report.write_json(results, cfg, FLAGS.json)
+    if FLAGS.junit:
+        report.write_junit(results, cfg, FLAGS.junit, durations)
+    if FLAGS.plot and not report.write_plot(results, cfg, FLAGS.plot):
+        progress("--plot: no train check ran, nothing to plot")
     return EXIT_PASS if all(r.passed for r in results) else EXIT_FAIL
+
+
+def _golden_result(checks, report, session):
+    path = Path(FLAGS.golden) / f"{session.cfg.model_name}.sharding.json"
+    current = report.golden_sharding(session)
+    if FLAGS.update_golden or not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
+        progress(f"golden sharding report written: {path}")
+        return checks.CheckResult(
+            "golden", True, "differences", 0.0, 0.0, str(path), message="written"
+        )
+    differences = report.golden_differences(json.loads(path.read_text()), current)
+    for line in differences:
+        print(f"  golden {line}")
+    return checks.CheckResult(
+        "golden",
+        not differences,
+        "differences",
+        float(len(differences)),
+        0.0,
+        differences[0] if differences else str(path),
+        details=tuple({"difference": d, "passed": False} for d in differences),
+        message=f"compared with {path}"
+        + ("; rerun with --update_golden to accept" if differences else ""),
+    )
 
 
 def main() -> None:
     """Console-script entry point."""
-    app.run(lambda argv: sys.exit(run(argv)))
+
+    def entry(argv: Sequence[str]) -> None:
+        logging.set_verbosity(logging.WARNING)
+        sys.exit(run(argv))
+
+    app.run(entry, flags_parser=_parse_flags)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's parser, but a bad flag exits 2 (usage error) with a one-line message."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        print(f"parity: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
 
 
 if __name__ == "__main__":

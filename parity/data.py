@@ -9,10 +9,17 @@ from jax.sharding import Mesh
 from migrate import axes, sharding
 from migrate.config import Config
 
+SPLIT_SALT = {"train": 1_000_003, "eval": 2_000_003}
 
-def synthetic_batch(cfg: Config, mesh: Mesh, step: int = 0) -> dict[str, jax.Array]:
-    """`{'inputs', 'targets'}` int32 `[B, T]`, batch-sharded; targets are inputs shifted left."""
-    key = jax.random.fold_in(jax.random.key(cfg.seed + 1_000_003), step)
+
+def synthetic_batch(
+    cfg: Config, mesh: Mesh, step: int = 0, split: str = "train"
+) -> dict[str, jax.Array]:
+    """`{'inputs', 'targets'}` int32 `[B, T]`, batch-sharded; targets are inputs shifted left.
+
+    Deterministic in (seed, split, step); `eval` batches never repeat a `train` batch.
+    """
+    key = jax.random.fold_in(jax.random.key(cfg.seed + SPLIT_SALT[split]), step)
     shape = (cfg.global_batch_size, cfg.max_target_length + 1)
     tokens = jax.random.randint(key, shape, 0, cfg.vocab_size, dtype=jnp.int32)
     batch_sharding = sharding.named_sharding(

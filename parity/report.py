@@ -1,8 +1,14 @@
-"""Renderers for check results: terminal table and JSON. Only this module prints."""
+"""Renderers for check results: terminal table, JSON, JUnit XML, PNG plot. Only this prints.
+
+The JSON schema is versioned (`JSON_SCHEMA_VERSION`) and documented in docs/report-schema.md.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import sys
+import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,19 +21,31 @@ from migrate.config import Config
 JSON_SCHEMA_VERSION = 1
 
 
+def _fmt(value: float) -> str:
+    if value == 0:
+        return "0"
+    if math.isinf(value) or math.isnan(value):
+        return str(value)
+    return f"{value:.3g}"
+
+
 def render_table(results: Sequence[Any], cfg: Config, console: Console | None = None) -> None:
-    """check | verdict | worst error | tolerance | where."""
-    console = console or Console()
+    """check | verdict | worst error | tolerance | where; then each check's note."""
+    # CI logs are not terminals: give the table room instead of rich's 80-column default.
+    console = console or Console(width=None if sys.stdout.isatty() else 160)
     table = Table(title=f"parity: {cfg.model_name}")
-    for column in ("check", "verdict", "worst error", "tolerance", "where"):
-        table.add_column(column)
+    table.add_column("check")
+    table.add_column("verdict")
+    table.add_column("worst error")
+    table.add_column("tolerance")
+    table.add_column("where", overflow="fold")
     for r in results:
         verdict = "[green]PASS[/green]" if r.passed else "[bold red]FAIL[/bold red]"
-        table.add_row(r.name, verdict, f"{r.metric}={r.value:.3g}", f"{r.tolerance:.3g}", r.where)
+        table.add_row(r.name, verdict, f"{r.metric}={_fmt(r.value)}", _fmt(r.tolerance), r.where)
     console.print(table)
     for r in results:
         if r.message:
-            console.print(f"  {r.name}: {r.message}")
+            console.print(f"  {r.name}: {r.message}", soft_wrap=True)
 
 
 def to_json(results: Sequence[Any], cfg: Config) -> dict[str, Any]:
@@ -48,6 +66,7 @@ def to_json(results: Sequence[Any], cfg: Config) -> dict[str, Any]:
                 },
                 "message": r.message,
                 "details": list(r.details),
+                "steps": list(r.steps),
             }
             for r in results
         ],
@@ -55,7 +74,122 @@ def to_json(results: Sequence[Any], cfg: Config) -> dict[str, Any]:
 
 
 def write_json(results: Sequence[Any], cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(to_json(results, cfg), indent=2, sort_keys=True) + "\n")
+    Path(path).write_text(
+        json.dumps(to_json(results, cfg), indent=2, sort_keys=True, default=str) + "\n"
+    )
 
 
-__all__ = ["JSON_SCHEMA_VERSION", "render_table", "to_json", "write_json"]
+def write_junit(
+    results: Sequence[Any], cfg: Config, path: str | Path, durations: Sequence[float] | None = None
+) -> None:
+    """One testsuite per config, one testcase per check; failures carry the worst error."""
+    durations = list(durations or [0.0] * len(results))
+    root = ET.Element("testsuites")
+    suite = ET.SubElement(
+        root,
+        "testsuite",
+        name=f"parity.{cfg.model_name}",
+        tests=str(len(results)),
+        failures=str(sum(not r.passed for r in results)),
+        errors="0",
+        time=f"{sum(durations):.3f}",
+    )
+    for r, seconds in zip(results, durations, strict=True):
+        case = ET.SubElement(
+            suite,
+            "testcase",
+            classname=f"parity.{cfg.model_name}",
+            name=r.name,
+            time=f"{seconds:.3f}",
+        )
+        if not r.passed:
+            failure = ET.SubElement(
+                case,
+                "failure",
+                message=(
+                    f"{r.metric}={_fmt(r.value)} > tolerance {_fmt(r.tolerance)} at {r.where}"
+                ),
+            )
+            failing = [d for d in r.details if not d.get("passed", True)][:20]
+            failure.text = "\n".join([r.message, *(json.dumps(d, default=str) for d in failing)])
+    tree = ET.ElementTree(root)
+    ET.indent(tree)
+    tree.write(path, encoding="unicode", xml_declaration=True)
+
+
+def write_plot(results: Sequence[Any], cfg: Config, path: str | Path) -> bool:
+    """PNG of the train check's per-step losses and errors; False when there is no train run."""
+    train = next((r for r in results if r.name == "train" and r.steps), None)
+    if train is None:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    steps = [s["step"] for s in train.steps]
+    fig, (loss_ax, err_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    loss_ax.plot(steps, [s["loss_linen"] for s in train.steps], "o-", label="Linen")
+    loss_ax.plot(steps, [s["loss_nnx"] for s in train.steps], "x--", label="NNX")
+    loss_ax.set(title="training loss", xlabel="step", ylabel="loss")
+    loss_ax.legend()
+    # Exact agreement is 0, which a log axis cannot show: floor it at the smallest float32.
+    floor = 1e-45
+    err_ax.semilogy(steps, [max(s["max_rel"], floor) for s in train.steps], "o-")
+    err_ax.axhline(max(train.tolerance, floor), color="red", linestyle=":", label="tolerance")
+    err_ax.set(title="max relative error, NNX vs Linen (0 plotted at 1e-45)", xlabel="step")
+    err_ax.legend()
+    for ax in (loss_ax, err_ax):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.suptitle(f"parity train: {cfg.model_name}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def golden_sharding(session: Any) -> dict[str, dict[str, Any]]:
+    """Per parameter and framework: logical names, PartitionSpec, shape (sorted JSON-ready)."""
+    from migrate import convert, sharding
+    from parity import runs
+
+    cfg, mesh = session.cfg, session.mesh
+    rules = cfg.logical_axis_rules
+    out: dict[str, dict[str, Any]] = {}
+    linen = runs.linen_abstract_variables(cfg, mesh)["params"]
+    arrays, names = convert.strip_boxes(linen)
+    flat_arrays, flat_names = convert.flatten_dict(arrays), convert.flatten_dict(names)
+    for path, leaf_names in flat_names.items():
+        out["linen/" + "/".join(path)] = {
+            "names": list(leaf_names),
+            "shape": list(flat_arrays[path].shape),
+            "spec": str(sharding.logical_to_spec(leaf_names, rules)),
+        }
+    _, abstract = runs.nnx_abstract(cfg, mesh)
+    for path, variable in convert.nnx_flat_params(abstract).items():
+        leaf_names = convert.nnx_names(variable)
+        out["nnx/" + "/".join(path)] = {
+            "names": list(leaf_names or ()),
+            "shape": list(variable.get_value().shape),
+            "spec": str(sharding.logical_to_spec(leaf_names or (), rules)),
+        }
+    return dict(sorted(out.items()))
+
+
+def golden_differences(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
+    """Per-key differences between a stored golden sharding report and the current one."""
+    lines = []
+    for key in sorted(set(expected) | set(actual)):
+        if key not in actual:
+            lines.append(f"- {key}: in golden, not in current")
+        elif key not in expected:
+            lines.append(f"+ {key}: new, not in golden: {actual[key]}")
+        elif expected[key] != actual[key]:
+            for field in sorted(set(expected[key]) | set(actual[key])):
+                if expected[key].get(field) != actual[key].get(field):
+                    lines.append(
+                        f"~ {key}: {field}: golden {expected[key].get(field)} -> "
+                        f"current {actual[key].get(field)}"
+                    )
+    return lines

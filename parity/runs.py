@@ -17,10 +17,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from migrate import convert
+from migrate import convert, optim
 from migrate.config import Config
 from migrate.linen import decoder as linen_decoder
+from migrate.linen import train as linen_train
 from migrate.nnx import decoder as nnx_decoder
+from migrate.nnx import train as nnx_train
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,18 +64,36 @@ def nnx_mode() -> tuple[bool, bool]:
 # ------------------------------------------------------------------ Linen
 
 
-@functools.cache
+def compute_config(cfg: Config) -> Config:
+    """`cfg` without the keys that do not change the compiled computation (seed, name)."""
+    return cfg.replace(seed=0, model_name="compute")
+
+
 def linen_step(
     cfg: Config, mesh: Mesh, use_pipeline: bool | None = None, bubble_fill: float = 0.0
 ) -> Callable:
-    """Jitted `(variables, batch) -> ((loss, logits), grads)` for a Linen decoder."""
-    model = linen_decoder.Decoder(cfg, mesh, use_pipeline=use_pipeline, bubble_fill=bubble_fill)
+    """Jitted `(params, batch) -> ((loss, logits), grads)` for a Linen decoder (cached)."""
+    return _linen_step(compute_config(cfg), mesh, use_pipeline, bubble_fill)
 
-    def loss_fn(variables, batch):
-        logits = model.apply(variables, batch["inputs"])
-        return linen_decoder.cross_entropy_loss(logits, batch["targets"]), logits
 
+@functools.cache
+def _linen_step(cfg: Config, mesh: Mesh, use_pipeline: bool | None, bubble_fill: float) -> Callable:
+    loss_fn = linen_train.make_loss_fn(cfg, mesh, use_pipeline, bubble_fill)
     return jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+
+
+def linen_train_fns(cfg: Config, mesh: Mesh) -> tuple[Callable, Callable]:
+    """Jitted (train step, eval step) of the Linen twin, for `optim.make_optimizer(cfg)`."""
+    return _linen_train_fns(compute_config(cfg), mesh)
+
+
+@functools.cache
+def _linen_train_fns(cfg: Config, mesh: Mesh) -> tuple[Callable, Callable]:
+    tx = optim.make_optimizer(cfg)
+    return (
+        jax.jit(linen_train.make_train_step(cfg, mesh, tx)),
+        jax.jit(linen_train.make_eval_step(cfg, mesh)),
+    )
 
 
 @functools.cache
@@ -105,9 +125,10 @@ def run_linen(
     use_pipeline: bool | None = None,
     bubble_fill: float = 0.0,
 ) -> Run:
-    (loss, logits), grads = linen_step(cfg, mesh, use_pipeline, bubble_fill)(variables, batch)
+    step = linen_step(cfg, mesh, use_pipeline, bubble_fill)
+    (loss, logits), grads = step(variables["params"], batch)
     loss, logits, grads = jax.device_get((loss, logits, grads))
-    return Run(loss, logits, nn.meta.unbox(grads))
+    return Run(loss, logits, {"params": nn.meta.unbox(grads)})
 
 
 # ------------------------------------------------------------------ NNX
@@ -137,19 +158,29 @@ def _nnx_step(
     cfg: Config, mesh: Mesh, use_pipeline: bool | None, bubble_fill: float, mode: tuple[bool, bool]
 ) -> Callable:
     graphdef, _ = _nnx_abstract(cfg, mesh, use_pipeline, bubble_fill, mode)
-
-    def loss_fn(params, batch):
-        logits = nnx.merge(graphdef, params)(batch["inputs"])
-        return nnx_decoder.cross_entropy_loss(logits, batch["targets"]), logits
-
-    return jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+    return jax.jit(jax.value_and_grad(nnx_train.make_loss_fn(graphdef), has_aux=True))
 
 
 def nnx_step(
     cfg: Config, mesh: Mesh, use_pipeline: bool | None = None, bubble_fill: float = 0.0
 ) -> Callable:
-    """Jitted `(params, batch) -> ((loss, logits), grads)` in the functional form."""
-    return _nnx_step(cfg, mesh, use_pipeline, bubble_fill, nnx_mode())
+    """Jitted `(params, batch) -> ((loss, logits), grads)` in the functional form (cached)."""
+    return _nnx_step(compute_config(cfg), mesh, use_pipeline, bubble_fill, nnx_mode())
+
+
+def nnx_train_fns(cfg: Config, mesh: Mesh) -> tuple[Callable, Callable]:
+    """Jitted (train step, eval step) of the NNX twin, for `optim.make_optimizer(cfg)`."""
+    return _nnx_train_fns(compute_config(cfg), mesh, nnx_mode())
+
+
+@functools.cache
+def _nnx_train_fns(cfg: Config, mesh: Mesh, mode: tuple[bool, bool]) -> tuple[Callable, Callable]:
+    graphdef, _ = _nnx_abstract(cfg, mesh, None, 0.0, mode)
+    tx = optim.make_optimizer(cfg)
+    return (
+        jax.jit(nnx_train.make_train_step(graphdef, tx)),
+        jax.jit(nnx_train.make_eval_step(graphdef)),
+    )
 
 
 @functools.cache

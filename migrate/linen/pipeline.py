@@ -104,7 +104,9 @@ class Pipeline(nn.Module):
     bubble_fill: float = 0.0
 
     @nn.compact
-    def __call__(self, inputs: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, inputs: jax.Array, positions: jax.Array, trace: bool = False):
+        """`[B, T, E] -> [B, T, E]`; with `trace`, also every iteration's stage outputs
+        `[iterations, S, B/M, T, E]` (the drill-down compares them)."""
         cfg = self.config
         stages = stacked_stages(cfg)(cfg, self.mesh, name="layers")
         if self.is_initializing():
@@ -115,7 +117,7 @@ class Pipeline(nn.Module):
         weights = nn.meta.unbox(boxed_weights)
         if cfg.pipeline_fsdp_ag_once:
             weights = self.all_gather_over_fsdp(boxed_weights, weights)
-        return self.run(weights, inputs, positions)
+        return self.run(weights, inputs, positions, trace)
 
     def all_gather_over_fsdp(self, boxed_weights, weights):
         """Constrain the stage weights to their sharding without `fsdp`, once, before the loop."""
@@ -151,7 +153,7 @@ class Pipeline(nn.Module):
             weights, stage_inputs, stage_positions, repeat_ids
         )
 
-    def run(self, weights, inputs: jax.Array, positions: jax.Array) -> jax.Array:
+    def run(self, weights, inputs: jax.Array, positions: jax.Array, trace: bool = False):
         """The iteration loop: `M*R + d*(S-1)` iterations of all stages, then reassembly."""
         cfg, mesh, rules = self.config, self.mesh, self.config.logical_axis_rules
         num_micro = cfg.num_microbatches
@@ -197,7 +199,8 @@ class Pipeline(nn.Module):
                 rules=rules,
                 mesh=mesh,
             )
-            return {"shift": shift, "previous": stage_outputs, "outputs": outputs}, None
+            new_state = {"shift": shift, "previous": stage_outputs, "outputs": outputs}
+            return new_state, (stage_outputs if trace else None)
 
         policy = numerics.remat_policy(cfg)
         if cfg.set_remat_policy_on_pipeline_iterations and policy is not None:
@@ -205,8 +208,14 @@ class Pipeline(nn.Module):
                 iteration, policy=policy, prevent_cse=not cfg.scan_pipeline_iterations
             )
         if cfg.scan_pipeline_iterations:
-            loop_state, _ = jax.lax.scan(iteration, loop_state, jnp.arange(cfg.num_iterations))
+            loop_state, history = jax.lax.scan(
+                iteration, loop_state, jnp.arange(cfg.num_iterations)
+            )
         else:
+            history = []
             for t in range(cfg.num_iterations):
-                loop_state, _ = iteration(loop_state, jnp.asarray(t))
-        return merge_microbatches(loop_state["outputs"])
+                loop_state, stage_outputs = iteration(loop_state, jnp.asarray(t))
+                history.append(stage_outputs)
+            history = jnp.stack(history) if trace else None
+        outputs = merge_microbatches(loop_state["outputs"])
+        return (outputs, history) if trace else outputs
