@@ -120,16 +120,15 @@ def run(argv: Sequence[str]) -> int:
     def run_check(name: str) -> None:
         start = time.perf_counter()
         progress(f"{name} ...")
-        if name == "train":
-            result = checks.train(
-                session,
-                FLAGS.steps,
-                on_step=lambda s, ok: progress(
-                    f"train step {s + 1}/{FLAGS.steps}: {'ok' if ok else 'DIVERGED'}"
-                ),
-            )
-        else:
-            result = checks.CHECKS[name](session)
+        on_step = lambda s, ok: progress(
+            f"train step {s + 1}/{FLAGS.steps}: {'ok' if ok else 'DIVERGED'}")
+        try:
+            if name == "train":
+                result = checks.train(session, FLAGS.steps, on_step=on_step)
+            else:
+                result = checks.CHECKS[name](session)
+        except Exception as e:  # a check that cannot even run is a failed check, not a crash
+            result = checks.errored(name, e)
         durations.append(time.perf_counter() - start)
         progress(f"{name}: {'PASS' if result.passed else 'FAIL'} ({durations[-1]:.1f}s)")
         results.append(result)

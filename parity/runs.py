@@ -211,6 +211,22 @@ def run_nnx(
     return Run(loss, logits, grads)
 
 
+def clear_nnx_caches() -> None:
+    """Forget every cached NNX graphdef, state and compiled function (after the NNX code
+    changed, for example a monkeypatched bug in a test). Linen caches stay valid."""
+    from parity import drilldown
+
+    for cached in (
+        _nnx_abstract,
+        _nnx_step,
+        _nnx_train_fns,
+        _nnx_initial_state,
+        drilldown._nnx_layer_fn,
+        drilldown._nnx_trace,
+    ):
+        cached.cache_clear()
+
+
 def linen_to_nnx_params(
     cfg: Config, mesh: Mesh, variables, use_pipeline: bool | None = None
 ) -> nnx.State:

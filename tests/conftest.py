@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 _flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
 os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
-
-from pathlib import Path  # noqa: E402
+# One persistent XLA compilation cache for the session and the CLI subprocesses it starts:
+# the same programs (the twins in every NNX mode, the CLI's runs) compile once.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    str(Path(__file__).resolve().parent.parent / ".jax_cache"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pytest  # noqa: E402
 
@@ -25,3 +31,8 @@ def tiny(name: str, *overrides: str) -> Config:
 @pytest.fixture(scope="session")
 def config_dir() -> Path:
     return CONFIG_DIR
+
+
+import jax  # noqa: E402  (after XLA_FLAGS: the session has exactly 8 simulated devices)
+
+assert jax.device_count() == 8, f"expected 8 simulated CPU devices, got {jax.device_count()}"

@@ -1,0 +1,144 @@
+"""The `parity` command: exit codes, reports, golden files, and the full run on every config."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from conftest import CONFIG_DIR, TINY_CONFIGS
+
+from parity import cli, report
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def parity_command() -> list[str]:
+    """The installed console script, as users run it (module form when not installed)."""
+    script = Path(sys.executable).parent / "parity"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "parity.cli"]
+
+
+def run_parity(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*parity_command(), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=os.environ.copy(),
+    )
+
+
+def run_in_process(*args: str) -> int:
+    argv = cli.FLAGS(["parity", *args])
+    try:
+        return cli.run(argv)
+    finally:
+        cli.FLAGS.unparse_flags()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((), "missing CONFIG"),
+        (("configs/nope.yml",), "config file not found"),
+        (("configs/llama2-tiny.yml", "num_pipeline_microbatchs=4"), "did you mean"),
+        (("configs/llama2-tiny.yml", "num_pipeline_microbatches=6"), "multiple of S"),
+        (("configs/llama2-tiny.yml", "--checks=forwrd"), "unknown checks ['forwrd']"),
+        (("configs/llama2-tiny.yml", "ici_data_parallelism=2"), "needs 16 devices"),
+    ],
+)
+def test_usage_and_config_errors_exit_2_with_a_message(args, message, capsys):
+    assert run_in_process(*args) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_bad_flag_exits_2_without_traceback():
+    result = run_parity("configs/llama2-tiny.yml", "--steps=-1", timeout=120)
+    assert result.returncode == 2
+    assert "parity: error:" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_simulated_devices_are_requested_before_jax(monkeypatch):
+    monkeypatch.setitem(sys.modules, "jax", None)  # pretend JAX is not imported yet
+    del sys.modules["jax"]
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=4")
+    cli.ensure_simulated_devices(16)
+    assert os.environ["XLA_FLAGS"] == ("--xla_cpu_foo=1 --xla_force_host_platform_device_count=16")
+    cli.ensure_simulated_devices(8)  # already enough: unchanged
+    assert os.environ["XLA_FLAGS"].endswith("=16")
+
+
+def test_golden_diff_lists_per_key_differences():
+    golden = {
+        "nnx/a": {"names": ["embed"], "shape": [4], "spec": "P('fsdp',)"},
+        "nnx/gone": {"names": [], "shape": [], "spec": "P()"},
+    }
+    current = {
+        "nnx/a": {"names": ["mlp"], "shape": [4], "spec": "P('tensor',)"},
+        "nnx/new": {"names": [], "shape": [], "spec": "P()"},
+    }
+    assert report.golden_differences(golden, current) == [
+        "~ nnx/a: names: golden ['embed'] -> current ['mlp']",
+        "~ nnx/a: spec: golden P('fsdp',) -> current P('tensor',)",
+        "- nnx/gone: in golden, not in current",
+        "+ nnx/new: new, not in golden: {'names': [], 'shape': [], 'spec': 'P()'}",
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TINY_CONFIGS)
+def test_full_parity_run_passes_on_every_tiny_config(name, tmp_path):
+    """The product as CI runs it: the console script, every default check, all reports."""
+    json_path, junit_path, plot_path = (tmp_path / f for f in ("r.json", "r.xml", "r.png"))
+    result = run_parity(
+        str(CONFIG_DIR / f"{name}.yml"),
+        "--steps=3",
+        f"--json={json_path}",
+        f"--junit={junit_path}",
+        f"--plot={plot_path}",
+        f"--golden={tmp_path / 'golden'}",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "PASS" in result.stdout and "FAIL" not in result.stdout
+    data = json.loads(json_path.read_text())
+    assert data["version"] == report.JSON_SCHEMA_VERSION and data["passed"] is True
+    assert data["config"] == name
+    names = [c["name"] for c in data["checks"]]
+    assert names == ["roundtrip", "forward", "grads", "sharding", "pipeline", "train", "golden"]
+    for check in data["checks"]:
+        assert set(check["worst"]) == {"metric", "value", "tolerance", "where"}
+        assert check["worst"]["value"] <= check["worst"]["tolerance"]
+    train = next(c for c in data["checks"] if c["name"] == "train")
+    assert [s["step"] for s in train["steps"]] == [0, 1, 2]
+    suite = ET.parse(junit_path).getroot().find("testsuite")
+    assert suite.get("tests") == "7" and suite.get("failures") == "0"
+    assert [c.get("name") for c in suite.findall("testcase")] == names
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "golden" / f"{name}.sharding.json").exists()
+
+
+@pytest.mark.slow
+def test_golden_mismatch_fails_and_prints_the_differences(tmp_path):
+    golden_dir = tmp_path / "golden"
+    args = (str(CONFIG_DIR / "llama2-tiny.yml"), "--checks=roundtrip", f"--golden={golden_dir}")
+    assert run_in_process(*args) == cli.EXIT_PASS  # written
+    assert run_in_process(*args) == cli.EXIT_PASS  # compared, equal
+    path = golden_dir / "llama2-tiny.sharding.json"
+    golden = json.loads(path.read_text())
+    golden["nnx/decoder_norm/scale"]["names"] = ["embed"]
+    path.write_text(json.dumps(golden))
+    junit = tmp_path / "r.xml"
+    assert run_in_process(*args, f"--junit={junit}") == cli.EXIT_FAIL
+    failure = ET.parse(junit).getroot().find("testsuite/testcase[@name='golden']/failure")
+    assert "nnx/decoder_norm/scale: names: golden ['embed'] -> current ['norm']" in (
+        failure.get("message")
+    )
+    assert run_in_process(*args, "--update_golden") == cli.EXIT_PASS
+    assert run_in_process(*args) == cli.EXIT_PASS

@@ -1,0 +1,243 @@
+"""Proof that the gate works: real migration bugs injected into the NNX side (monkeypatched,
+never edits to the shipped code) make the CLI exit 1 and name the right check and place.
+And no false alarms: the clean run passes for seeds 0 to 4."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import CONFIG_DIR
+from flax import nnx
+
+import migrate.nnx.layers as nnx_layers
+import migrate.nnx.pipeline as nnx_pipeline
+import migrate.nnx.train as nnx_train
+from migrate import axes, numerics
+from parity import cli, runs
+
+pytestmark = pytest.mark.slow
+TINY = str(CONFIG_DIR / "llama2-tiny.yml")
+
+
+def run_cli(tmp_path, *args: str) -> tuple[int, dict]:
+    """The CLI in-process (so monkeypatches apply), with its JSON report."""
+    report = tmp_path / "report.json"
+    argv = cli.FLAGS(["parity", *args, f"--json={report}"])
+    try:
+        status = cli.run(argv)
+    finally:
+        cli.FLAGS.unparse_flags()
+    return status, json.loads(report.read_text()) if report.exists() else {}
+
+
+@pytest.fixture
+def fresh_nnx():
+    """NNX caches cleared around the test: the injected bug must be traced, and must not
+    leak into later tests."""
+    runs.clear_nnx_caches()
+    yield
+    runs.clear_nnx_caches()
+
+
+def failing(report: dict) -> dict[str, str]:
+    return {c["name"]: c["worst"]["where"] for c in report["checks"] if not c["passed"]}
+
+
+# ------------------------------------------------------------------ the bugs
+
+
+def transposed_query_kernel(monkeypatch):
+    """The query kernel used as (out, in): a square [E, H*D] kernel transposed."""
+    original = nnx_layers.DenseGeneral.__call__
+
+    def call(self, x):
+        # Inside the functional loop a sliced Param keeps its stacked names: match the tail.
+        if tuple(self.kernel.get_metadata().get("out_sharding", ()))[-3:] == axes.QUERY:
+            kernel = self.kernel[...]
+            square = kernel.reshape(kernel.shape[0], -1).T.reshape(kernel.shape)
+            return jnp.tensordot(
+                x, square, axes=((x.ndim - 1,), (0,)), precision=numerics.precision(self.config)
+            )
+        return original(self, x)
+
+    monkeypatch.setattr(nnx_layers.DenseGeneral, "__call__", call)
+
+
+def wrong_rmsnorm_epsilon(monkeypatch):
+    """RMSNorm with epsilon 1e-6 where the config (and Linen) say 1e-5."""
+
+    def call(self, x):
+        x32 = x.astype(jnp.float32)
+        mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        normed = x32 * jax.lax.rsqrt(mean_square + 1e-6)
+        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+    monkeypatch.setattr(nnx_layers.RMSNorm, "__call__", call)
+
+
+def rotary_on_the_wrong_axis(monkeypatch):
+    """Rotary embedding rotating interleaved pairs (x[0::2], x[1::2]) instead of halves."""
+
+    def call(self, x, positions):
+        cfg = self.config
+        half = cfg.head_dim // 2
+        fraction = 2 * jnp.arange(half, dtype=jnp.float32) / cfg.head_dim
+        timescale = (
+            cfg.rope_min_timescale * (cfg.rope_max_timescale / cfg.rope_min_timescale) ** fraction
+        )
+        angle = positions.astype(jnp.float32)[..., None, None] / timescale
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        sin, cos = jnp.sin(angle), jnp.cos(angle)
+        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    monkeypatch.setattr(nnx_layers.RotaryEmbedding, "__call__", call)
+
+
+def wrong_logical_name(monkeypatch):
+    """wi_0 annotated ('mlp', 'embed') instead of ('embed', 'mlp')."""
+    original = nnx_layers.MLP.__init__
+
+    def init(self, config, mesh, *, rngs):
+        original(self, config, mesh, rngs=rngs)
+        kernel = self.wi_0.kernel
+        self.wi_0.kernel = nnx.Param(kernel[...], out_sharding=("mlp", "embed"))
+
+    monkeypatch.setattr(nnx_layers.MLP, "__init__", init)
+
+
+def rotated_the_wrong_way(monkeypatch):
+    """Activations moved one stage left instead of right between iterations."""
+    wrong = types.SimpleNamespace(
+        **{k: getattr(jnp, k) for k in dir(jnp) if not k.startswith("__")}
+    )
+    wrong.roll = lambda a, shift, axis=None: jnp.roll(a, -shift, axis=axis)
+    monkeypatch.setattr(nnx_pipeline, "jnp", wrong)
+
+
+def microbatches_out_of_order(monkeypatch):
+    """Outputs reassembled as contiguous microbatches, though they were split strided."""
+    monkeypatch.setattr(
+        nnx_pipeline,
+        "merge_microbatches",
+        lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]),
+    )
+
+
+def remat_removed(monkeypatch):
+    """The pipeline iteration body no longer checkpointed."""
+    no_remat = types.SimpleNamespace(**vars(numerics))
+    no_remat.remat_policy = lambda cfg: None
+    monkeypatch.setattr(nnx_pipeline, "numerics", no_remat)
+
+
+def residual_dropped(monkeypatch):
+    """The MLP residual of the decoder layer dropped."""
+
+    def call(self, x, positions):
+        rules = self.config.logical_axis_rules
+        x = jax.ad_checkpoint.checkpoint_name(x, axes.DECODER_LAYER_INPUT)
+        x = x + self.self_attention(self.pre_self_attention_layer_norm(x), positions)
+        return nnx_layers.sharding.constrain(
+            self.mlp(self.post_self_attention_layer_norm(x)),
+            axes.BATCH_LENGTH_EMBED,
+            self.mesh,
+            rules,
+        )
+
+    monkeypatch.setattr(nnx_layers.DecoderLayer, "__call__", call)
+
+
+def optimizer_skips_one_parameter(monkeypatch):
+    """The final norm's scale is never updated by the optimizer."""
+    original = nnx_train.make_train_step
+
+    def make(graphdef, tx):
+        step = original(graphdef, tx)
+
+        def skipping(params, opt_state, batch):
+            new_params, opt_state, metrics = step(params, opt_state, batch)
+            new_params["decoder_norm"]["scale"] = params["decoder_norm"]["scale"]
+            return new_params, opt_state, metrics
+
+        return skipping
+
+    monkeypatch.setattr(nnx_train, "make_train_step", make)
+
+
+# bug, checks to run, {failing check: text its `where` must contain}
+BUGS = [
+    (
+        transposed_query_kernel,
+        "forward,grads",
+        {"forward": "logits", "grads": "grads/params/", "layers": "layer 0/self_attention/query"},
+    ),
+    (
+        wrong_rmsnorm_epsilon,
+        "forward,grads",
+        {
+            "forward": "logits",
+            "grads": "grads/params/",
+            "layers": "layer 0/pre_self_attention_layer_norm",
+        },
+    ),
+    (
+        rotary_on_the_wrong_axis,
+        "forward,grads",
+        {"forward": "logits", "grads": "grads/params/", "layers": "layer 0/self_attention/rotary"},
+    ),
+    (
+        wrong_logical_name,
+        "sharding,forward",
+        {
+            "sharding": "mlp/wi_0/kernel: names",
+            "forward": "mlp/wi_0/kernel: logical names",
+            "layers": "mlp/wi_0/kernel: logical names",
+        },
+    ),
+    (
+        rotated_the_wrong_way,
+        "forward,pipeline",
+        {"forward": "logits", "pipeline": "nnx/", "layers": "iteration 1/stage 1"},
+    ),
+    (microbatches_out_of_order, "forward,pipeline", {"forward": "logits", "pipeline": "nnx/"}),
+    (remat_removed, "sharding,forward", {"sharding": "collectives"}),
+    (
+        residual_dropped,
+        "forward,grads",
+        {"forward": "logits", "grads": "grads/params/", "layers": "layer 0/output"},
+    ),
+    (optimizer_skips_one_parameter, "forward,train", {"train": "step 0/params/decoder_norm/scale"}),
+]
+
+
+@pytest.mark.parametrize(
+    ("inject", "selected", "expected"), BUGS, ids=[b[0].__name__ for b in BUGS]
+)
+def test_injected_bug_fails_the_gate_at_the_right_place(
+    inject, selected, expected, monkeypatch, fresh_nnx, tmp_path
+):
+    inject(monkeypatch)
+    status, report = run_cli(tmp_path, TINY, f"--checks={selected}", "--steps=2")
+    assert status == cli.EXIT_FAIL
+    where = failing(report)
+    assert set(where) == set(expected), where
+    for check, place in expected.items():
+        assert place in where[check], (check, where[check])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_no_false_alarms_for_seeds_0_to_4(seed, tmp_path):
+    status, report = run_cli(tmp_path, TINY, f"seed={seed}", "--steps=2")
+    assert status == cli.EXIT_PASS, failing(report)
+    assert {c["name"] for c in report["checks"]} == {
+        "roundtrip",
+        "forward",
+        "grads",
+        "sharding",
+        "pipeline",
+        "train",
+    }
