@@ -27,8 +27,10 @@ install: $(VENV)/.installed
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+PARITY_ARGS ?= --checks=all
+
 parity: install
-	$(VENV)/bin/parity $(CONFIG)
+	$(VENV)/bin/parity $(CONFIG) $(PARITY_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -6,6 +6,7 @@ Stage s during repeat r runs global layers `(r*S + s)*L + j`, j in 0..L-1, so a 
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from migrate.config import Config
@@ -57,3 +58,18 @@ def last_stage_microbatch(cfg: Config, iteration: jnp.ndarray | int):
     """(microbatch id, valid) of what the last stage finishes at `iteration`."""
     microbatch_ids, _, valid = stage_work(cfg, iteration)
     return microbatch_ids[-1], valid[-1]
+
+
+def split_microbatches(x: jax.Array, num_microbatches: int) -> jax.Array:
+    """`[B, ...] -> [M, B/M, ...]`, microbatch m holding rows `b % M == m`.
+
+    Strided rather than contiguous, so that each microbatch spreads over the batch shards and
+    splitting needs no communication.
+    """
+    per_microbatch = x.shape[0] // num_microbatches
+    return x.reshape(per_microbatch, num_microbatches, *x.shape[1:]).swapaxes(0, 1)
+
+
+def merge_microbatches(x: jax.Array) -> jax.Array:
+    """Inverse of `split_microbatches`: `[M, B/M, ...] -> [B, ...]` in the original row order."""
+    return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])

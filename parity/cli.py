@@ -30,7 +30,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list(
     "checks",
     None,
-    f"Checks to run (default: all but {', '.join(ON_REQUEST)}). Known: {', '.join(CHECK_NAMES)}.",
+    f"Checks to run, or 'all' (default: all but {', '.join(ON_REQUEST)}, which runs by "
+    f"itself when forward or grads fails). Known: {', '.join(CHECK_NAMES)}.",
 )
 flags.DEFINE_integer("steps", 5, "Optimizer steps of the train check.", lower_bound=0)
 flags.DEFINE_string("json", None, "Write the JSON report here.")
@@ -76,6 +77,8 @@ def progress(message: str) -> None:
 
 
 def _select_checks() -> list[str] | str:
+    if FLAGS.checks == ["all"]:
+        return list(CHECK_NAMES)
     selected = FLAGS.checks or [c for c in CHECK_NAMES if c not in ON_REQUEST]
     unknown = [c for c in selected if c not in CHECK_NAMES]
     if unknown:
@@ -121,7 +124,8 @@ def run(argv: Sequence[str]) -> int:
         start = time.perf_counter()
         progress(f"{name} ...")
         on_step = lambda s, ok: progress(
-            f"train step {s + 1}/{FLAGS.steps}: {'ok' if ok else 'DIVERGED'}")
+            f"train step {s + 1}/{FLAGS.steps}: {'ok' if ok else 'DIVERGED'}"
+        )
         try:
             if name == "train":
                 result = checks.train(session, FLAGS.steps, on_step=on_step)

@@ -78,12 +78,16 @@ def _linen_layer_fn(cfg: Config, mesh):
     return jax.jit(apply)
 
 
+def _nnx_graphdef(create) -> nnx.GraphDef:
+    """The graphdef of the module `create(rngs)` builds, without allocating its weights."""
+    with nnx.use_eager_sharding(False):
+        return nnx.split(nnx.eval_shape(lambda: create(nnx.Rngs(0))))[0]
+
+
 @functools.cache
 def _nnx_layer_fn(cfg: Config, mesh, mode):
     del mode
-    with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(lambda: nnx_layers.DecoderLayer(cfg, mesh, rngs=nnx.Rngs(0)))
-    graphdef, _ = nnx.split(abstract)
+    graphdef = _nnx_graphdef(lambda rngs: nnx_layers.DecoderLayer(cfg, mesh, rngs=rngs))
 
     def apply(params, x, positions):
         layer = nnx.merge(graphdef, params)
@@ -203,7 +207,5 @@ def _linen_trace(cfg: Config, mesh):
 @functools.cache
 def _nnx_trace(cfg: Config, mesh, mode):
     del mode
-    with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(lambda: nnx_pipeline.Pipeline(cfg, mesh, rngs=nnx.Rngs(0)))
-    graphdef, _ = nnx.split(abstract)
+    graphdef = _nnx_graphdef(lambda rngs: nnx_pipeline.Pipeline(cfg, mesh, rngs=rngs))
     return jax.jit(lambda params, x, pos: nnx.merge(graphdef, params)(x, pos, trace=True)[1])

@@ -77,21 +77,6 @@ def stacked_stages(cfg: Config) -> type[nn.Module]:
     return stacked
 
 
-def split_microbatches(x: jax.Array, num_microbatches: int) -> jax.Array:
-    """`[B, ...] -> [M, B/M, ...]`, microbatch m holding rows `b % M == m`.
-
-    Strided rather than contiguous, so that each microbatch spreads over the batch shards and
-    splitting needs no communication.
-    """
-    per_microbatch = x.shape[0] // num_microbatches
-    return x.reshape(per_microbatch, num_microbatches, *x.shape[1:]).swapaxes(0, 1)
-
-
-def merge_microbatches(x: jax.Array) -> jax.Array:
-    """Inverse of `split_microbatches`: `[M, B/M, ...] -> [B, ...]` in the original row order."""
-    return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-
-
 class Pipeline(nn.Module):
     """The decoder layers as an S-stage circular pipeline over M microbatches.
 
@@ -158,9 +143,12 @@ class Pipeline(nn.Module):
         cfg, mesh, rules = self.config, self.mesh, self.config.logical_axis_rules
         num_micro = cfg.num_microbatches
         micro_inputs = sharding.constrain(
-            split_microbatches(inputs, num_micro), axes.MICROBATCH_BATCH_LENGTH_EMBED, mesh, rules
+            schedule.split_microbatches(inputs, num_micro),
+            axes.MICROBATCH_BATCH_LENGTH_EMBED,
+            mesh,
+            rules,
         )
-        micro_positions = split_microbatches(positions, num_micro)
+        micro_positions = schedule.split_microbatches(positions, num_micro)
         stage_shape = (cfg.num_stages, *micro_inputs.shape[1:])
         fill = jnp.asarray(self.bubble_fill, inputs.dtype)
         loop_state = {
@@ -217,5 +205,5 @@ class Pipeline(nn.Module):
                 loop_state, stage_outputs = iteration(loop_state, jnp.asarray(t))
                 history.append(stage_outputs)
             history = jnp.stack(history) if trace else None
-        outputs = merge_microbatches(loop_state["outputs"])
+        outputs = schedule.merge_microbatches(loop_state["outputs"])
         return (outputs, history) if trace else outputs
