@@ -507,6 +507,118 @@ def layers(session: Session) -> CheckResult:
     return _result("layers", records, tol)
 
 
+# NNX may not cost more than Linen: temp memory, FLOPs and argument/output bytes of the compiled
+# train step within 1% (the twins compile to the same program today, so the measured ratios are
+# exactly 1.00; the margin only absorbs benign differences in XLA's bookkeeping).
+COST_TOLERANCE = 0.01
+# Measured pipeline FLOP overhead against `(M*R + d*(S-1)) / (M*R)`: within 1%. The rest is the
+# loop's own elementwise work (masking, rotation, buffer updates).
+EFFICIENCY_TOLERANCE = 0.01
+
+
+def compile_cost(session: Session) -> CheckResult:
+    """Both twins' whole train steps compiled from abstract inputs (no weights allocated):
+    per-device memory, FLOPs, bytes accessed, collectives, compile time; NNX must not cost
+    more than Linen beyond COST_TOLERANCE, and must issue the same collectives."""
+    from parity import cost
+
+    cfg, mesh = session.cfg, session.mesh
+    linen_cost = cost.compile_train_step(cfg, mesh, "linen")
+    nnx_cost = cost.compile_train_step(cfg, mesh, "nnx")
+    records = []
+    for field in (
+        "temp_bytes",
+        "flops",
+        "argument_bytes",
+        "output_bytes",
+        "bytes_accessed",
+        "generated_code_bytes",
+        "compile_seconds",
+    ):
+        linen_value, nnx_value = getattr(linen_cost, field), getattr(nnx_cost, field)
+        ratio = nnx_value / linen_value if linen_value else (1.0 if not nnx_value else math.inf)
+        gated = field not in ("compile_seconds", "bytes_accessed", "generated_code_bytes")
+        records.append(
+            {
+                "tensor": field,
+                "linen": linen_value,
+                "nnx": nnx_value,
+                "ratio": ratio,
+                "max_rel": max(ratio - 1.0, 0.0),
+                "passed": not gated or ratio <= 1.0 + COST_TOLERANCE,
+            }
+        )
+    for kind in hlo.COLLECTIVES:
+        a, b = linen_cost.collectives[kind], nnx_cost.collectives[kind]
+        records.append(
+            {
+                "tensor": f"collectives: {kind}",
+                "linen": a,
+                "nnx": b,
+                "ratio": b / a if a else float(b == 0),
+                "max_rel": 0.0 if a == b else 1.0,
+                "passed": a == b,
+            }
+        )
+    failing = [r for r in records if not r["passed"]]
+    worst = failing[0] if failing else max(records, key=lambda r: r["max_rel"])
+    gib = 2.0**30
+    per_device = ", ".join(
+        f"{name} args {c.argument_bytes / gib:.2f} GiB + temp {c.temp_bytes / gib:.2f} GiB + "
+        f"out {c.output_bytes / gib:.2f} GiB, {c.flops:.3g} flops, compiled in "
+        f"{c.compile_seconds:.1f}s"
+        for name, c in (("linen", linen_cost), ("nnx", nnx_cost))
+    )
+    return CheckResult(
+        name="compile",
+        passed=not failing,
+        metric="nnx/linen-1",
+        value=worst["max_rel"],
+        tolerance=COST_TOLERANCE,
+        where=worst["tensor"],
+        details=tuple(records),
+        message=f"per device: {per_device}",
+    )
+
+
+def efficiency(session: Session) -> CheckResult:
+    """The pipeline's compiled FLOPs against the plain decoder layers and the theory."""
+    from parity import cost
+
+    cfg = session.cfg
+    if not cfg.using_pipeline:
+        return CheckResult(
+            "efficiency",
+            True,
+            "overhead_error",
+            0.0,
+            EFFICIENCY_TOLERANCE,
+            "-",
+            message="config does not pipeline (S=1)",
+        )
+    measured = cost.pipeline_efficiency(cfg, session.mesh)
+    record = {
+        "tensor": "pipeline FLOP overhead",
+        "measured": measured.measured_overhead,
+        "theoretical": measured.theoretical_overhead,
+        "pipeline_flops": measured.pipeline_flops,
+        "reference_flops": measured.reference_flops,
+        "max_rel": measured.relative_error,
+        "passed": measured.relative_error <= EFFICIENCY_TOLERANCE,
+    }
+    return CheckResult(
+        "efficiency",
+        record["passed"],
+        "overhead_error",
+        measured.relative_error,
+        EFFICIENCY_TOLERANCE,
+        "pipeline FLOP overhead",
+        details=(record,),
+        message=f"measured {measured.measured_overhead:.4f} vs (M*R + d*(S-1))/(M*R) = "
+        f"{measured.theoretical_overhead:.4f}",
+    )
+
+
 CHECKS: dict[str, Callable[[Session], CheckResult]] = {
     "roundtrip": roundtrip,
     "forward": forward,
@@ -515,4 +627,6 @@ CHECKS: dict[str, Callable[[Session], CheckResult]] = {
     "sharding": sharding,
     "train": train,
     "layers": layers,
+    "compile": compile_cost,
+    "efficiency": efficiency,
 }

@@ -22,9 +22,20 @@ from absl import app, flags, logging
 
 from migrate.config import ConfigError, load_config
 
-CHECK_NAMES = ("roundtrip", "forward", "grads", "sharding", "pipeline", "train", "layers")
-# Run by themselves only when asked, or (layers) when forward or grads fails.
-ON_REQUEST = ("layers",)
+CHECK_NAMES = (
+    "roundtrip",
+    "forward",
+    "grads",
+    "sharding",
+    "pipeline",
+    "train",
+    "layers",
+    "compile",
+    "efficiency",
+)
+# Run only when asked (or, for layers, by itself when forward or grads fails). `compile` is the
+# one check that never allocates weights: `--checks=compile` works for the 7B config.
+ON_REQUEST = ("layers", "compile", "efficiency")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
