@@ -3,7 +3,7 @@ and FLOPs, and per-call dispatch overhead (`nnx.jit` on the module against the f
 `jax.jit` over split state).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=. \
-        python bench/step_time.py [--steps 30] [--rounds 3] [--configs tiny,medium]
+        python bench/step_time.py [--steps 30] [--medium_steps 4] [--rounds 3]
 
 Steps of the two twins alternate, so both see the same machine load; each figure is the median
 over `--rounds` rounds of `--steps` steps, and the spread (max/min of the round medians) is the
@@ -105,6 +105,7 @@ def dispatch_overhead(session: checks.Session, calls: int, rounds: int) -> dict[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--medium_steps", type=int, default=4, help="steps per round, medium")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--configs", default="tiny,medium")
     args = parser.parse_args()
@@ -124,7 +125,8 @@ def main() -> None:
         ):
             a, b = getattr(compiled["linen"], field), getattr(compiled["nnx"], field)
             print(f"| {name} | {field} | {a:.4g}{unit} | {b:.4g}{unit} | {b / a:.3f} | |")
-        times = step_times(session, args.steps, args.rounds)
+        times = step_times(session, args.steps if name == "tiny" else args.medium_steps,
+                           args.rounds)
         (a, na), (b, nb) = times["linen"], times["nnx"]
         print(
             f"| {name} | train step ms (median) | {a * 1e3:.2f} | {b * 1e3:.2f} | "
