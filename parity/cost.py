@@ -39,6 +39,7 @@ class CompiledCost:
     bytes_accessed: float
     collectives: dict[str, int]
     compile_seconds: float
+    program: str  # hlo.program_fingerprint of the optimised module
 
     @classmethod
     def of(cls, compiled, compile_seconds: float) -> CompiledCost:
@@ -54,6 +55,7 @@ class CompiledCost:
             bytes_accessed=float(cost.get("bytes accessed", 0.0)),
             collectives=hlo.collective_counts(compiled.as_text()),
             compile_seconds=compile_seconds,
+            program=hlo.program_fingerprint(compiled.as_text()),
         )
 
 
