@@ -78,3 +78,11 @@ def test_nnx_init_places_arrays_like_linen(name):
     stage_weight = nnx_arrays["pipeline"]["layers"]
     first = jax.tree.leaves(stage_weight)[0]
     assert "stage" in first.sharding.spec
+
+
+@pytest.mark.parametrize("name", ["llama2-tiny", "llama2-tiny-delay"])
+def test_nan_in_the_nnx_bubbles_reaches_no_output_or_gradient(name):
+    poisoned = checks.Session(tiny(name), bubble_fill=float("nan")).run("nnx", "linen")
+    clean = session(name).run("nnx", "linen")
+    records = checks.compare_runs("", poisoned, clean, compare.EXACT)
+    assert all(r["passed"] and r["nonfinite"] == 0 and r["mismatches"] == 0 for r in records)
