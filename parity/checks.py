@@ -20,7 +20,7 @@ from flax import nnx
 from migrate import convert, optim
 from migrate import sharding as sharding_lib
 from migrate.config import Config
-from parity import compare, drilldown, hlo, runs
+from parity import compare, distributed, drilldown, hlo, runs
 from parity.data import synthetic_batch
 from parity.runs import Run
 
@@ -100,7 +100,7 @@ class Session:
         cfg, mesh = self.cfg, self.mesh
         reference = use_pipeline is False and cfg.using_pipeline
         if reference:
-            host = convert.linen_pipeline_to_reference(jax.device_get(linen_vars), cfg)
+            host = convert.linen_pipeline_to_reference(distributed.to_host(linen_vars), cfg)
             ref_cfg = runs.schedule_free(cfg)
             linen_vars = runs.place_linen(host, ref_cfg, mesh, use_pipeline=False)
             cfg = ref_cfg
@@ -225,7 +225,7 @@ def roundtrip(session: Session) -> CheckResult:
             nnx.to_pure_dict(nnx_params),
         )
         if cfg.using_pipeline:
-            host = jax.device_get(linen_vars)
+            host = distributed.to_host(linen_vars)
             there_and_back = convert.linen_reference_to_pipeline(
                 convert.linen_pipeline_to_reference(host, cfg), cfg
             )
@@ -238,8 +238,8 @@ def roundtrip(session: Session) -> CheckResult:
 def _tree_records(prefix: str, actual, expected) -> list[dict]:
     actual, expected = nn.meta.unbox(actual), nn.meta.unbox(expected)
     records = _records(prefix, compare.compare_trees(actual, expected), compare.EXACT)
-    dtypes_a = [str(np.asarray(x).dtype) for x in jax.tree.leaves(jax.device_get(actual))]
-    dtypes_b = [str(np.asarray(x).dtype) for x in jax.tree.leaves(jax.device_get(expected))]
+    dtypes_a = [str(np.asarray(x).dtype) for x in jax.tree.leaves(distributed.to_host(actual))]
+    dtypes_b = [str(np.asarray(x).dtype) for x in jax.tree.leaves(distributed.to_host(expected))]
     for record, dtype_a, dtype_b in zip(records, dtypes_a, dtypes_b, strict=True):
         if dtype_a != dtype_b:
             record["passed"] = False
@@ -298,7 +298,7 @@ def _linen_form(tree) -> Any:
         tree,
         is_leaf=lambda x: isinstance(x, nnx.State),
     )
-    return jax.device_get(nn.meta.unbox(tree))
+    return distributed.to_host(nn.meta.unbox(tree))
 
 
 def _params_unchanged(prefix: str, before, after) -> list[dict]:
@@ -344,6 +344,7 @@ def train(
         batch = synthetic_batch(cfg, mesh, step=step)
         linen_params, linen_opt, linen_metrics = linen_step(linen_params, linen_opt, batch)
         nnx_params, nnx_opt, nnx_metrics = nnx_step(nnx_params, nnx_opt, batch)
+        linen_metrics, nnx_metrics = distributed.to_host((linen_metrics, nnx_metrics))
         step_records = []
         for key in ("loss", "grad_norm"):
             step_records += compare_runs_parts(

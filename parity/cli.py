@@ -2,10 +2,12 @@
 
     parity CONFIG [key=value ...] [--checks=a,b] [--steps=N] [--json=PATH] [--junit=PATH]
                   [--plot=PATH] [--golden=DIR] [--update_golden]
+                  [--num_processes=N [--timeout_s=S] | --coordinator_address=H:P --process_id=I]
 
 Exit 0 when every check passes, 1 when any fails, 2 for usage or config errors (a message, no
-traceback). JAX is imported only after the config is read, so that simulated CPU devices can
-be requested for the config's mesh first.
+traceback); 3 when a local multi-process run lost a worker or timed out (`parity.launch`).
+JAX is imported only after the config is read, so that simulated CPU devices can be requested
+for the config's mesh first.
 """
 
 from __future__ import annotations
@@ -62,6 +64,41 @@ flags.DEFINE_string(
     ),
     "Persistent XLA compilation cache ('' disables).",
 )
+flags.DEFINE_integer(
+    "num_processes",
+    1,
+    "Processes of the run (JAX distributed runtime). Without --process_id: launch that many "
+    "local workers, each with its share of the mesh as simulated CPU devices.",
+    lower_bound=1,
+)
+flags.DEFINE_integer(
+    "process_id",
+    None,
+    "This process's index in a multi-process run (with --coordinator_address): run as one "
+    "worker instead of launching.",
+    lower_bound=0,
+)
+flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0's coordinator (multi-process runs)."
+)
+flags.DEFINE_float(
+    "timeout_s",
+    3600.0,
+    "Local launcher only: stop every worker and fail when the run takes longer.",
+    lower_bound=1.0,
+)
+# The flags a launcher hands on to its workers (when given on its command line).
+WORKER_FLAGS = (
+    "checks",
+    "steps",
+    "json",
+    "junit",
+    "plot",
+    "golden",
+    "update_golden",
+    "compilation_cache_dir",
+    "num_processes",
+)
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -109,10 +146,26 @@ def run(argv: Sequence[str]) -> int:
     selected = _select_checks()
     if isinstance(selected, str):
         return usage_error(selected)
-    ensure_simulated_devices(cfg.num_devices)
+    processes = FLAGS.num_processes
+    if cfg.num_devices % processes:
+        return usage_error(
+            f"--num_processes={processes} does not divide the mesh's {cfg.num_devices} devices"
+        )
+    if processes > 1 and FLAGS.process_id is None and FLAGS.coordinator_address is None:
+        from parity import launch  # the local launcher never imports JAX
+
+        args = [*positional, *(FLAGS[n].serialize() for n in WORKER_FLAGS if FLAGS[n].present)]
+        return launch.launch(args, processes, cfg.num_devices // processes, FLAGS.timeout_s)
+    if processes > 1 and (FLAGS.process_id is None or FLAGS.coordinator_address is None):
+        return usage_error("a multi-process worker needs --coordinator_address and --process_id")
+    ensure_simulated_devices(cfg.num_devices // processes)
 
     import jax  # JAX starts here
 
+    from parity import distributed
+
+    if processes > 1:
+        distributed.initialize(FLAGS.coordinator_address, processes, FLAGS.process_id)
     if FLAGS.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -125,7 +178,8 @@ def run(argv: Sequence[str]) -> int:
     except MeshError as e:
         return usage_error(str(e))
     progress(
-        f"{cfg.model_name}: {cfg.num_devices} devices, S={cfg.num_stages} "
+        f"{cfg.model_name}: {cfg.num_devices} devices in {processes} process(es), "
+        f"S={cfg.num_stages} "
         f"M={cfg.num_microbatches} R={cfg.num_repeats} L={cfg.layers_per_stage}; "
         f"checks: {', '.join(selected)}"
     )
@@ -155,31 +209,35 @@ def run(argv: Sequence[str]) -> int:
         progress("forward or grads failed: drilling down per layer")
         run_check("layers")
 
+    main = distributed.is_main()  # only process 0 prints the table and writes reports
     if FLAGS.golden:
-        results.append(_golden_result(checks, report, session))
+        results.append(_golden_result(checks, report, session, write=main))
         durations.append(0.0)
-    report.render_table(results, cfg)
-    if FLAGS.json:
-        report.write_json(results, cfg, FLAGS.json)
-    if FLAGS.junit:
-        report.write_junit(results, cfg, FLAGS.junit, durations)
-    if FLAGS.plot and not report.write_plot(results, cfg, FLAGS.plot):
-        progress("--plot: no train check ran, nothing to plot")
-    return EXIT_PASS if all(r.passed for r in results) else EXIT_FAIL
+    if main:
+        report.render_table(results, cfg)
+        if FLAGS.json:
+            report.write_json(results, cfg, FLAGS.json)
+        if FLAGS.junit:
+            report.write_junit(results, cfg, FLAGS.junit, durations)
+        if FLAGS.plot and not report.write_plot(results, cfg, FLAGS.plot):
+            progress("--plot: no train check ran, nothing to plot")
+    status = EXIT_PASS if all(r.passed for r in results) else EXIT_FAIL
+    return distributed.worst_status(status)
 
 
-def _golden_result(checks, report, session):
+def _golden_result(checks, report, session, write: bool = True):
     path = Path(FLAGS.golden) / f"{session.cfg.model_name}.sharding.json"
     current = report.golden_sharding(session)
     if FLAGS.update_golden or not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
-        progress(f"golden sharding report written: {path}")
+        if write:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
+            progress(f"golden sharding report written: {path}")
         return checks.CheckResult(
             "golden", True, "differences", 0.0, 0.0, str(path), message="written"
         )
     differences = report.golden_differences(json.loads(path.read_text()), current)
-    for line in differences:
+    for line in differences if write else ():
         print(f"  golden {line}")
     return checks.CheckResult(
         "golden",

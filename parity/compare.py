@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from migrate.config import Config
+from parity.distributed import to_host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +93,7 @@ def path_str(path: Iterable[Any]) -> str:
 
 
 def leaf_diff(path: str, actual: Any, expected: Any) -> LeafDiff:
-    a = np.asarray(jax.device_get(actual))
-    b = np.asarray(jax.device_get(expected))
+    a, b = np.asarray(to_host(actual)), np.asarray(to_host(expected))
     if a.shape != b.shape:
         raise ValueError(f"{path}: shapes differ: {a.shape} vs {b.shape}")
     a64, b64 = a.astype(np.float64), b.astype(np.float64)

@@ -8,6 +8,7 @@ from jax.sharding import Mesh
 
 from migrate import axes, sharding
 from migrate.config import Config
+from parity import distributed
 
 SPLIT_SALT = {"train": 1_000_003, "eval": 2_000_003}
 
@@ -26,6 +27,6 @@ def synthetic_batch(
         axes.BATCH_LENGTH_EMBED[:2], mesh, cfg.logical_axis_rules
     )
     return {
-        "inputs": jax.device_put(tokens[:, :-1], batch_sharding),
-        "targets": jax.device_put(tokens[:, 1:], batch_sharding),
+        "inputs": distributed.place(tokens[:, :-1], batch_sharding),
+        "targets": distributed.place(tokens[:, 1:], batch_sharding),
     }

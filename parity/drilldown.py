@@ -22,7 +22,7 @@ from migrate.linen import layers as linen_layers
 from migrate.linen import pipeline as linen_pipeline
 from migrate.nnx import layers as nnx_layers
 from migrate.nnx import pipeline as nnx_pipeline
-from parity import compare
+from parity import compare, distributed
 
 # Execution order inside a decoder layer: the first divergence is the first in this order.
 LAYER_ORDER = (
@@ -109,19 +109,23 @@ def layer_records(session, tol: compare.Tolerance) -> list[dict]:
 
     cfg, mesh = session.cfg, session.mesh
     ref_cfg = runs.schedule_free(cfg)
-    host = jax.device_get(session.linen_variables)
+    host = distributed.to_host(session.linen_variables)
     if cfg.using_pipeline:
         host = convert.linen_pipeline_to_reference(host, cfg)
     params, names = convert.strip_boxes(host["params"])
     tokens = session.batch["inputs"]
-    x = jnp.take(jnp.asarray(params["token_embedder"]["embedding"]), tokens, axis=0)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    table = distributed.replicate(params["token_embedder"]["embedding"], mesh)
+    x = jnp.take(jnp.asarray(table), tokens, axis=0)
+    positions = distributed.replicate(
+        jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape), mesh
+    )
     linen_fn = _linen_layer_fn(runs.compute_config(ref_cfg), mesh)
     nnx_fn = _nnx_layer_fn(runs.compute_config(ref_cfg), mesh, runs.nnx_mode())
     _, abstract_layer = nnx.split(nnx.eval_shape(lambda: _abstract_layer(ref_cfg, mesh)))
     records = []
     for layer in range(cfg.base_num_decoder_layers):
         layer_params = jax.tree.map(lambda w, i=layer: w[i], params["layers"])
+        layer_params = distributed.replicate(layer_params, mesh)
         layer_names = jax.tree.map(
             lambda n: n[1:], names["layers"], is_leaf=lambda n: isinstance(n, tuple)
         )
@@ -178,7 +182,9 @@ def iteration_records(session, tol: compare.Tolerance) -> list[dict]:
     tokens = session.batch["inputs"]
     table = linen_vars["params"]["token_embedder"]["embedding"]
     x = jnp.take(table.value if hasattr(table, "value") else table, tokens, axis=0)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    positions = distributed.replicate(
+        jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape), mesh
+    )
     linen_history = _linen_trace(runs.compute_config(cfg), mesh)(linen_pipe_params, x, positions)
     nnx_history = _nnx_trace(runs.compute_config(cfg), mesh, runs.nnx_mode())(
         nnx_params["pipeline"], x, positions

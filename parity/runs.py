@@ -23,6 +23,7 @@ from migrate.linen import decoder as linen_decoder
 from migrate.linen import train as linen_train
 from migrate.nnx import decoder as nnx_decoder
 from migrate.nnx import train as nnx_train
+from parity import distributed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +115,7 @@ def linen_abstract_variables(cfg: Config, mesh: Mesh, use_pipeline: bool | None 
 def place_linen(variables, cfg: Config, mesh: Mesh, use_pipeline: bool | None = None):
     """Host or device Linen variables -> device arrays sharded per their logical names."""
     abstract = linen_abstract_variables(cfg, mesh, use_pipeline)
-    return jax.device_put(variables, linen_decoder.param_shardings(abstract, mesh, cfg))
+    return distributed.place(variables, linen_decoder.param_shardings(abstract, mesh, cfg))
 
 
 def run_linen(
@@ -127,7 +128,7 @@ def run_linen(
 ) -> Run:
     step = linen_step(cfg, mesh, use_pipeline, bubble_fill)
     (loss, logits), grads = step(variables["params"], batch)
-    loss, logits, grads = jax.device_get((loss, logits, grads))
+    loss, logits, grads = distributed.to_host((loss, logits, grads))
     return Run(loss, logits, {"params": nn.meta.unbox(grads)})
 
 
@@ -206,8 +207,8 @@ def run_nnx(
     bubble_fill: float = 0.0,
 ) -> Run:
     (loss, logits), grads = nnx_step(cfg, mesh, use_pipeline, bubble_fill)(params, batch)
-    loss, logits = jax.device_get((loss, logits))
-    grads = jax.device_get(nn.meta.unbox(convert.nnx_to_linen(grads)))
+    loss, logits = distributed.to_host((loss, logits))
+    grads = distributed.to_host(nn.meta.unbox(convert.nnx_to_linen(grads)))
     return Run(loss, logits, grads)
 
 

@@ -1,0 +1,116 @@
+"""JAX's distributed runtime for the parity harness: one global mesh over N processes.
+
+Every device->host transfer of the harness goes through `to_host` and every host->device
+placement through `place`; with one process both are exactly `jax.device_get` and
+`jax.device_put`, so single-process results are unchanged. Import JAX only after XLA_FLAGS are
+final (the CLI calls `initialize` right after it requested simulated devices).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+# Test hooks, read by the workers only: worker 1 dies (exit 7) or hangs right after initialize.
+KILL_HOOK, HANG_HOOK = "PARITY_TEST_KILL_WORKER", "PARITY_TEST_HANG_WORKER"
+INIT_TIMEOUT_S = 120  # how long a worker waits for the others to reach the coordinator
+
+
+def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
+    """Join the distributed runtime (CPU collectives over gloo), then apply the test hooks."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=INIT_TIMEOUT_S,
+    )
+    jax.devices()  # the backend's global device exchange: every process must reach it
+    if process_id == 1 and os.environ.get(KILL_HOOK) == "1":
+        print("[parity] test hook: worker 1 dies", file=sys.stderr, flush=True)
+        os._exit(7)
+    if process_id == 1 and os.environ.get(HANG_HOOK) == "1":
+        print("[parity] test hook: worker 1 hangs", file=sys.stderr, flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL ends it
+        while True:
+            time.sleep(3600)
+
+
+def is_main() -> bool:
+    """True on the process that prints and writes reports (process 0)."""
+    return jax.process_index() == 0
+
+
+def _leaf_to_host(x: Any) -> Any:
+    if isinstance(x, jax.Array):
+        if x.is_fully_addressable:
+            return jax.device_get(x)
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(x, tiled=True)
+    return x
+
+
+def to_host(tree: Any) -> Any:
+    """`jax.device_get`, but global arrays spanning other processes are gathered first.
+
+    A collective when any leaf is not fully addressable: every process must call it in the
+    same order (the harness is deterministic, so it does).
+    """
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    return jax.tree.map(_leaf_to_host, tree)
+
+
+def _put(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return jax.device_put(x, sharding)  # already global: reshard
+    host = np.asarray(x)  # the same values on every process, by construction
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def place(tree: Any, shardings: Any) -> Any:
+    """`jax.device_put(tree, shardings)` that also builds global arrays across processes.
+
+    `shardings` is a tree prefix of `tree` (as for `jax.device_put`); every process must hold
+    the same host values.
+    """
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+    return jax.tree.map(
+        lambda s, sub: jax.tree.map(lambda x: _put(x, s), sub),
+        shardings,
+        tree,
+        is_leaf=lambda s: isinstance(s, jax.sharding.Sharding),
+    )
+
+
+def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """With several processes, host or process-local leaves -> global arrays replicated over
+    `mesh` (global arrays stay as they are); with one process, `tree` unchanged (JAX places
+    local values itself there)."""
+    if jax.process_count() == 1:
+        return tree
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.tree.map(
+        lambda x: (
+            x if isinstance(x, jax.Array) and not x.is_fully_addressable else _put(x, replicated)
+        ),
+        tree,
+    )
+
+
+def worst_status(status: int) -> int:
+    """The largest exit status over all processes (a collective; `status` with one process)."""
+    if jax.process_count() == 1:
+        return status
+    from jax.experimental import multihost_utils
+
+    statuses = multihost_utils.process_allgather(np.array([status], np.int32))
+    return int(np.max(statuses))
