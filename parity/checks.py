@@ -563,13 +563,24 @@ def compile_cost(session: Session) -> CheckResult:
         )
     failing = [r for r in records if not r["passed"]]
     worst = failing[0] if failing else max(records, key=lambda r: r["max_rel"])
-    gib = 2.0**30
+    same_program = linen_cost.program == nnx_cost.program
+    records.append(
+        {
+            "tensor": "optimised program",
+            "linen": linen_cost.program,
+            "nnx": nnx_cost.program,
+            "max_rel": 0.0,
+            "passed": True,
+            "note": "same" if same_program else "different (informational)",
+        }
+    )
     per_device = ", ".join(
-        f"{name} args {c.argument_bytes / gib:.2f} GiB + temp {c.temp_bytes / gib:.2f} GiB + "
-        f"out {c.output_bytes / gib:.2f} GiB, {c.flops:.3g} flops, compiled in "
+        f"{name} args {_bytes(c.argument_bytes)} + temp {_bytes(c.temp_bytes)} + "
+        f"out {_bytes(c.output_bytes)}, {c.flops:.3g} flops, compiled in "
         f"{c.compile_seconds:.1f}s"
         for name, c in (("linen", linen_cost), ("nnx", nnx_cost))
     )
+    per_device += "; same optimised program" if same_program else "; programs differ"
     return CheckResult(
         name="compile",
         passed=not failing,
@@ -580,6 +591,13 @@ def compile_cost(session: Session) -> CheckResult:
         details=tuple(records),
         message=f"per device: {per_device}",
     )
+
+
+def _bytes(count: float) -> str:
+    for unit, size in (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10)):
+        if count >= size:
+            return f"{count / size:.2f} {unit}"
+    return f"{int(count)} B"
 
 
 def efficiency(session: Session) -> CheckResult:
