@@ -141,7 +141,7 @@ def main() -> None:
             calls = dispatch_overhead(session, args.steps, args.rounds)
             (a, na), (b, nb) = calls["jax.jit(split state)"], calls["nnx.jit(module)"]
             print(
-                f"| {name} | dispatch ms per forward call (host): jax.jit(state) vs nnx.jit(module) | "
+                f"| {name} | host ms per call: jax.jit(state) vs nnx.jit(module) | "
                 f"{a * 1e3:.2f} | {b * 1e3:.2f} | {b / a:.2f} | {na:.3f}, {nb:.3f} |"
             )
         del session

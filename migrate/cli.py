@@ -1,0 +1,267 @@
+"""The `migrate` command: convert Orbax checkpoints between the Linen and NNX twins and layouts.
+
+    migrate convert --config=CONFIG --from=linen|nnx --to=nnx|linen SRC DST [key=value ...]
+            [--layout=pipeline|reference] [--dtype=float32|bfloat16] [--force] [--verify]
+            [--verify_forward]
+    migrate init --config=CONFIG --framework=linen|nnx DST [key=value ...]
+            [--layout=pipeline|reference] [--force]
+
+`key=value` overrides use MaxText key names. Layout keys among them (ici_pipeline_parallelism,
+dcn_pipeline_parallelism, num_layers_per_pipeline_stage, num_pipeline_repeats,
+scan_layers_per_stage) re-stage the destination; the source keeps the layout it records. Exit
+status: 0 written, 1 verification failed (nothing written), 2 usage, config or checkpoint error
+(a message, no traceback; the destination untouched).
+
+Flags live in their own `FlagValues`, so this module and `parity.cli` share a process freely.
+JAX is imported only after the config is read, once the simulated device count is known.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from absl import flags, logging
+
+from migrate.config import ConfigError, load_config, parse_overrides
+
+COMMANDS = ("convert", "init")
+FRAMEWORKS = ("linen", "nnx")
+LAYOUTS = ("pipeline", "reference")
+DTYPES = ("float32", "bfloat16")
+EXIT_OK, EXIT_VERIFY_FAILED, EXIT_USAGE = 0, 1, 2
+
+FLAGS = flags.FlagValues()
+flags.DEFINE_string("config", None, "Model config YAML (over configs/base.yml).", flag_values=FLAGS)
+flags.DEFINE_enum("from", None, FRAMEWORKS, "convert: the source's framework.", flag_values=FLAGS)
+flags.DEFINE_enum(
+    "to", None, FRAMEWORKS, "convert: the destination's framework.", flag_values=FLAGS
+)
+flags.DEFINE_enum("framework", None, FRAMEWORKS, "init: the framework.", flag_values=FLAGS)
+flags.DEFINE_enum(
+    "layout",
+    None,
+    LAYOUTS,
+    "Destination layout (convert: default the source's; init: pipeline when S > 1).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_enum(
+    "dtype",
+    None,
+    DTYPES,
+    "convert: cast weights and optimizer moments to this dtype (otherwise a dtype change is an "
+    "error).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_boolean("force", False, "Replace an existing destination.", flag_values=FLAGS)
+flags.DEFINE_boolean(
+    "verify",
+    False,
+    "convert: before moving the result into place, restore both sides and compare bit for bit.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_boolean(
+    "verify_forward",
+    False,
+    "convert: also run the parity `forward` check (NNX vs Linen logits and loss) on the "
+    "converted weights before moving them into place.",
+    flag_values=FLAGS,
+)
+
+USAGE = __doc__.split("\n\n")[1]
+
+
+def usage_error(message: str) -> int:
+    print(f"migrate: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def progress(message: str) -> None:
+    print(f"[migrate] {message}", file=sys.stderr, flush=True)
+
+
+def devices_needed(values: Mapping[str, Any], changes: Mapping[str, Any], src: str | None) -> int:
+    """Devices of the destination's mesh: the config's `values`, then the layout keys that the
+    source records (read without JAX; best effort), then the `changes`."""
+    merged = dict(values)
+    if src is not None:
+        # A missing or corrupt checkpoint is reported properly later.
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            merged.update(json.loads((Path(src) / "meta" / "metadata").read_text())["layout_keys"])
+    merged.update(changes)
+    try:
+        stages = merged["ici_pipeline_parallelism"] * merged["dcn_pipeline_parallelism"]
+        keys = ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism")
+        return int(stages * merged[keys[0]] * merged[keys[1]] * merged[keys[2]])
+    except (KeyError, TypeError):
+        return 1
+
+
+def ensure_devices(count: int) -> None:
+    """Simulated host devices for the mesh, requested before JAX is imported."""
+    from parity.cli import ensure_simulated_devices  # absl flags of its own; imports no JAX
+
+    ensure_simulated_devices(count)
+
+
+def _summary(outcome, src: str | None, dst: str) -> None:
+    if outcome.source is not None:
+        print(f"from {src}: {outcome.source.describe()}, step {outcome.step}")
+    print(f"to   {dst}: {outcome.target.describe()}, step {outcome.step}")
+    print(
+        f"     {outcome.arrays} arrays, {outcome.nbytes / 2**20:,.1f} MiB "
+        "(parameters and optimizer state)"
+    )
+    for check in outcome.checks:
+        print(f"     checked before writing: {check}")
+
+
+def forward_problems(path: Path, spec) -> list[str]:
+    """The parity `forward` check (Linen and NNX logits and loss, both weight sources) on the
+    weights of the checkpoint at `path`; problems, or none when it passes."""
+    from migrate import checkpoint, convert
+    from parity import checks, runs
+
+    cfg = spec.cfg if spec.use_pipeline else checkpoint.reference_config(spec.cfg)
+    session = checks.Session(cfg)
+    state = checkpoint.restore(
+        path, checkpoint.Spec(spec.framework, spec.layout, cfg), session.mesh
+    )
+    if spec.framework == "linen":
+        session.linen_variables = state.params
+        session.nnx_params = runs.linen_to_nnx_params(cfg, session.mesh, state.params)
+    else:
+        session.linen_variables = convert.nnx_to_linen(state.params)
+        session.nnx_params = state.params
+    result = checks.forward(session)
+    progress(f"forward check on the converted weights: {'PASS' if result.passed else 'FAIL'}")
+    if result.passed:
+        return []
+    return [
+        f"forward check: {result.where}: {result.metric} {result.value:.3g} > tolerance "
+        f"{result.tolerance:.3g} {result.message}".strip()
+    ]
+
+
+def run(argv: Sequence[str]) -> int:
+    """The command body (flags already parsed into `FLAGS`); returns the exit status."""
+    args = list(argv[1:])
+    if not args or args[0] not in COMMANDS:
+        got = f" {args[0]!r}" if args else ""
+        return usage_error(f"expected a command, convert or init, got{got or ' none'}\n{USAGE}")
+    command, positional = args[0], args[1:]
+    count = 2 if command == "convert" else 1
+    if not FLAGS.config:
+        return usage_error("--config is required (for example --config=configs/llama2-tiny.yml)")
+    if len(positional) < count or any("=" in p for p in positional[:count]):
+        expected = "SRC DST" if count == 2 else "DST"
+        return usage_error(
+            f"{command}: expected {expected}, then key=value overrides; got {positional}"
+        )
+    paths, overrides = positional[:count], positional[count:]
+    source, target = (FLAGS["from"].value, FLAGS.to)
+    if command == "convert" and (source is None or target is None):
+        return usage_error("convert: --from and --to are required (linen or nnx)")
+    if command == "init" and FLAGS.framework is None:
+        return usage_error("init: --framework is required (linen or nnx)")
+    try:
+        cfg = load_config(FLAGS.config)
+        changes = parse_overrides(overrides)
+    except ConfigError as e:
+        return usage_error(str(e))
+    src = paths[0] if command == "convert" else None
+    ensure_devices(devices_needed(cfg.to_dict(), changes, src))
+
+    from migrate import checkpoint, sharding
+    from migrate.convert import ConversionError
+    from migrate.layout import LayoutError
+
+    user_errors = (checkpoint.CheckpointError, ConfigError, sharding.MeshError)
+    try:
+        if command == "init":
+            spec_cfg = checkpoint.with_changes(cfg, changes)
+            layout = FLAGS.layout or ("pipeline" if spec_cfg.using_pipeline else "reference")
+            spec = checkpoint.Spec(FLAGS.framework, layout, spec_cfg)
+            outcome = checkpoint.init_checkpoint(paths[0], spec, FLAGS.force)
+        else:
+            checks = {"forward": forward_problems} if FLAGS.verify_forward else {}
+            outcome = checkpoint.convert_checkpoint(
+                paths[0],
+                paths[1],
+                cfg,
+                source,
+                target,
+                layout=FLAGS.layout,
+                changes=changes,
+                dtype=FLAGS.dtype,
+                force=FLAGS.force,
+                verify=FLAGS.verify,
+                checks=checks,
+            )
+    except (*user_errors, ConversionError, LayoutError) as e:
+        return usage_error(str(e))
+    if outcome.differences:
+        print(
+            f"migrate: verification failed; {paths[-1]} was not written:\n"
+            + "\n".join(f"  - {d}" for d in outcome.differences),
+            file=sys.stderr,
+        )
+        return EXIT_VERIFY_FAILED
+    _summary(outcome, src, paths[-1])
+    return EXIT_OK
+
+
+def _parse_flags(argv: list[str]) -> list[str] | int:
+    """Flags into `FLAGS`; a bad flag is a usage error (one line, exit 2)."""
+    if any(a in ("-h", "--help", "-help", "--helpfull") for a in argv[1:]):
+        title = __doc__.split("\n\n")[0]
+        print(f"{title}\n\n{USAGE}\n\nflags:\n{FLAGS.get_help(include_special_flags=False)}")
+        return EXIT_OK
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        return usage_error(str(e))
+
+
+def return_freed_memory() -> None:
+    """Have glibc return freed blocks of 1 MiB and more to the OS at once.
+
+    By default glibc raises its mmap threshold each time a large block is freed, so the host
+    buffers that Orbax and XLA free while restoring stay in the process and add to its peak
+    (bench/checkpoint_memory.py measures both). A no-op where there is no glibc.
+    """
+    m_mmap_threshold = -3  # from glibc's malloc.h
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 2**20)
+
+
+def _quiet_abandoned_reads(unraisable) -> None:
+    """After a failed read, Orbax's pending TensorStore reads end in its closed event loop or
+    are dropped unfinished; the error was already reported, so drop that noise (only that)."""
+    error, source = unraisable.exc_value, unraisable.object
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return
+    code = getattr(source, "cr_code", None)
+    if code is not None and "/orbax/" in code.co_filename.replace("\\", "/"):
+        return
+    sys.__unraisablehook__(unraisable)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    logging.set_verbosity(logging.WARNING)
+    sys.unraisablehook = _quiet_abandoned_reads
+    return_freed_memory()
+    parsed = _parse_flags(sys.argv)
+    if isinstance(parsed, int):
+        sys.exit(parsed)
+    sys.exit(run(parsed))
+
+
+if __name__ == "__main__":
+    main()
