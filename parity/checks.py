@@ -380,14 +380,30 @@ def compare_runs_parts(prefix: str, actual, expected, tol: compare.Tolerance) ->
     return _records(prefix, compare.compare_trees(actual, expected), tol)
 
 
-def _sharding_record(tensor: str, passed: bool, linen: Any, nnx_side: Any) -> dict:
+def sharding_record(tensor: str, passed: bool, linen: Any, nnx_side: Any) -> dict:
+    """One fact of a sharding comparison: Linen's value, NNX's, and whether they agree."""
     return {
         "tensor": tensor,
-        "passed": passed,
+        "passed": bool(passed),
         "linen": str(linen),
         "nnx": str(nnx_side),
         "max_rel": 0.0 if passed else 1.0,
     }
+
+
+def collective_records(linen_hlo: str, nnx_hlo: str) -> list[dict]:
+    """One record per collective kind: the counts in both compiled programs must be equal."""
+    linen_counts = hlo.collective_counts(linen_hlo)
+    nnx_counts = hlo.collective_counts(nnx_hlo)
+    return [
+        sharding_record(
+            f"collectives: {kind}",
+            linen_counts[kind] == nnx_counts[kind],
+            linen_counts[kind],
+            nnx_counts[kind],
+        )
+        for kind in hlo.COLLECTIVES
+    ]
 
 
 def sharding(session: Session) -> CheckResult:
@@ -407,7 +423,7 @@ def sharding(session: Session) -> CheckResult:
         linen_names = linen_flat.get(path)
         nnx_names = convert.nnx_names(nnx_flat[path]) if path in nnx_flat else None
         records.append(
-            _sharding_record(
+            sharding_record(
                 f"{where}: names",
                 linen_names == nnx_names and linen_names is not None,
                 linen_names,
@@ -418,7 +434,7 @@ def sharding(session: Session) -> CheckResult:
             continue
         ndim = len(linen_arrays[path].shape)
         records.append(
-            _sharding_record(
+            sharding_record(
                 f"{where}: rank",
                 len(linen_names) == ndim and len(nnx_names) == ndim,
                 f"{len(linen_names)} names, ndim {ndim}",
@@ -428,12 +444,12 @@ def sharding(session: Session) -> CheckResult:
         linen_spec = sharding_lib.logical_to_spec(linen_names, rules)
         nnx_spec = sharding_lib.logical_to_spec(nnx_names, rules)
         records.append(
-            _sharding_record(f"{where}: spec", linen_spec == nnx_spec, linen_spec, nnx_spec)
+            sharding_record(f"{where}: spec", linen_spec == nnx_spec, linen_spec, nnx_spec)
         )
         expected = jax.sharding.NamedSharding(mesh, linen_spec)
         linen_placed, nnx_placed = linen_arrays[path].sharding, nnx_arrays[path].sharding
         records.append(
-            _sharding_record(
+            sharding_record(
                 f"{where}: placed",
                 expected.is_equivalent_to(linen_placed, ndim)
                 and expected.is_equivalent_to(nnx_placed, ndim),
@@ -449,30 +465,21 @@ def sharding(session: Session) -> CheckResult:
         linen_avals = jax.tree.leaves(_avals(linen_compiled, side))
         if len(linen_sh) != len(nnx_sh):
             records.append(
-                _sharding_record(f"train step {side}s: count", False, len(linen_sh), len(nnx_sh))
+                sharding_record(f"train step {side}s: count", False, len(linen_sh), len(nnx_sh))
             )
             continue
         for i, (a, b, aval) in enumerate(zip(linen_sh, nnx_sh, linen_avals, strict=False)):
             ndim = len(aval.shape)
             records.append(
-                _sharding_record(
+                sharding_record(
                     f"train step {side} {i}",
                     a.is_equivalent_to(b, ndim),
                     getattr(a, "spec", a),
                     getattr(b, "spec", b),
                 )
             )
+    records += collective_records(linen_compiled.as_text(), nnx_compiled.as_text())
     linen_counts = hlo.collective_counts(linen_compiled.as_text())
-    nnx_counts = hlo.collective_counts(nnx_compiled.as_text())
-    for kind in hlo.COLLECTIVES:
-        records.append(
-            _sharding_record(
-                f"collectives: {kind}",
-                linen_counts[kind] == nnx_counts[kind],
-                linen_counts[kind],
-                nnx_counts[kind],
-            )
-        )
     failing = [r for r in records if not r["passed"]]
     worst = failing[0] if failing else records[-1]
     return CheckResult(

@@ -36,8 +36,14 @@ from jax.sharding import Mesh, NamedSharding
 from migrate import convert
 from migrate import sharding as sharding_lib
 from migrate.config import Rules
-from parity import compare, hlo
-from parity.checks import CheckResult, compare_runs_parts, errored
+from parity import compare
+from parity.checks import (
+    CheckResult,
+    collective_records,
+    compare_runs_parts,
+    errored,
+    sharding_record,
+)
 
 CHECKS = ("roundtrip", "forward", "grads", "sharding")
 SOURCES = ("linen", "nnx")  # whose initial weights both sides run on
@@ -265,16 +271,6 @@ def _verdict(
     )
 
 
-def _sharding_record(tensor: str, passed: bool, linen: Any, nnx_side: Any) -> dict:
-    return {
-        "tensor": tensor,
-        "passed": bool(passed),
-        "linen": str(linen),
-        "nnx": str(nnx_side),
-        "max_rel": 0.0 if passed else 1.0,
-    }
-
-
 # ------------------------------------------------------------------ checks
 
 
@@ -337,17 +333,17 @@ def _parameter_records(pair: _Pair) -> list[dict]:
         missing = [f for f in SOURCES if path not in arrays[f]]
         if missing:
             side = "Linen" if missing == ["linen"] else "NNX"
-            records.append(_sharding_record(f"{where}: names", False, f"missing on {side}", ""))
+            records.append(sharding_record(f"{where}: names", False, f"missing on {side}", ""))
             continue
         linen_names, nnx_names = names["linen"][path], names["nnx"][path]
         records.append(
-            _sharding_record(f"{where}: names", linen_names == nnx_names, linen_names, nnx_names)
+            sharding_record(f"{where}: names", linen_names == nnx_names, linen_names, nnx_names)
         )
         if linen_names is None or nnx_names is None:
             continue  # unannotated on both sides (passes) or on one (failed above)
         linen_array, nnx_array = arrays["linen"][path], arrays["nnx"][path]
         records.append(
-            _sharding_record(
+            sharding_record(
                 f"{where}: rank",
                 len(linen_names) == linen_array.ndim and len(nnx_names) == nnx_array.ndim,
                 f"{len(linen_names)} names, ndim {linen_array.ndim}",
@@ -358,13 +354,13 @@ def _parameter_records(pair: _Pair) -> list[dict]:
             continue
         spec = sharding_lib.logical_to_spec(linen_names, pair.rules)
         nnx_spec = sharding_lib.logical_to_spec(nnx_names, pair.rules)
-        records.append(_sharding_record(f"{where}: spec", spec == nnx_spec, spec, nnx_spec))
+        records.append(sharding_record(f"{where}: spec", spec == nnx_spec, spec, nnx_spec))
         if pair.mesh is None:
             continue
         expected = NamedSharding(pair.mesh, spec)
         placed = [getattr(a, "sharding", None) for a in (linen_array, nnx_array)]
         records.append(
-            _sharding_record(
+            sharding_record(
                 f"{where}: placed",
                 all(_equivalent(expected, s, linen_array.ndim) for s in placed),
                 *(_shown(s) for s in placed),
@@ -400,7 +396,7 @@ def _compiled_input_records(pair: _Pair, compiled: dict[str, Any]) -> list[dict]
         a, ndim = shardings["linen"].get(tensor, (None, 0))
         b, _ = shardings["nnx"].get(tensor, (None, 0))
         records.append(
-            _sharding_record(
+            sharding_record(
                 f"compiled input {tensor}", _equivalent(a, b, ndim), _shown(a), _shown(b)
             )
         )
@@ -418,7 +414,7 @@ def _compiled_records(pair: _Pair) -> list[dict]:
     )
     for i, (a, b) in enumerate(outputs):
         records.append(
-            _sharding_record(
+            sharding_record(
                 f"compiled output {i}",
                 _equivalent(a.sharding, b.sharding, a.ndim),
                 *(_shown(x.sharding) for x in (a, b)),
@@ -427,24 +423,14 @@ def _compiled_records(pair: _Pair) -> list[dict]:
     for path in sorted(set(linen_run.grads) & set(nnx_run.grads)):
         a, b = linen_run.grads[path], nnx_run.grads[path]
         records.append(
-            _sharding_record(
+            sharding_record(
                 f"compiled grad {path}",
                 _equivalent(a.sharding, b.sharding, a.ndim),
                 _shown(a.sharding),
                 _shown(b.sharding),
             )
         )
-    linen_counts = hlo.collective_counts(compiled["linen"].as_text())
-    nnx_counts = hlo.collective_counts(compiled["nnx"].as_text())
-    for kind in hlo.COLLECTIVES:
-        records.append(
-            _sharding_record(
-                f"collectives: {kind}",
-                linen_counts[kind] == nnx_counts[kind],
-                linen_counts[kind],
-                nnx_counts[kind],
-            )
-        )
+    records += collective_records(compiled["linen"].as_text(), compiled["nnx"].as_text())
     return records
 
 
@@ -456,7 +442,7 @@ def _program_records(pair: _Pair) -> list[dict]:
         linen_count = count_primitives(linen_jaxpr, primitives)
         nnx_count = count_primitives(nnx_jaxpr, primitives)
         records.append(
-            _sharding_record(f"program: {what}", linen_count == nnx_count, linen_count, nnx_count)
+            sharding_record(f"program: {what}", linen_count == nnx_count, linen_count, nnx_count)
         )
     return records
 
@@ -475,7 +461,7 @@ def _sharding(pair: _Pair, tol: compare.Tolerance) -> CheckResult:
         records += _program_records(pair)
     except Exception as error:  # a module that does not trace: reported, not raised
         message = f"{type(error).__name__}: {error}"
-        records.append(_sharding_record("program: trace and compile", False, "-", message))
+        records.append(sharding_record("program: trace and compile", False, "-", message))
     return _verdict("sharding", records, compare.EXACT, note=SHARDING_NOTE)
 
 
