@@ -391,10 +391,9 @@ def sharding_record(tensor: str, passed: bool, linen: Any, nnx_side: Any) -> dic
     }
 
 
-def collective_records(linen_hlo: str, nnx_hlo: str) -> list[dict]:
-    """One record per collective kind: the counts in both compiled programs must be equal."""
-    linen_counts = hlo.collective_counts(linen_hlo)
-    nnx_counts = hlo.collective_counts(nnx_hlo)
+def collective_records(linen_counts: dict[str, int], nnx_counts: dict[str, int]) -> list[dict]:
+    """One record per collective kind (`hlo.collective_counts` of each compiled program):
+    the counts must be equal."""
     return [
         sharding_record(
             f"collectives: {kind}",
@@ -478,8 +477,8 @@ def sharding(session: Session) -> CheckResult:
                     getattr(b, "spec", b),
                 )
             )
-    records += collective_records(linen_compiled.as_text(), nnx_compiled.as_text())
     linen_counts = hlo.collective_counts(linen_compiled.as_text())
+    records += collective_records(linen_counts, hlo.collective_counts(nnx_compiled.as_text()))
     failing = [r for r in records if not r["passed"]]
     worst = failing[0] if failing else records[-1]
     return CheckResult(

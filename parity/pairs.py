@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from migrate import convert
 from migrate import sharding as sharding_lib
 from migrate.config import Rules
-from parity import compare
+from parity import compare, hlo
 from parity.checks import (
     CheckResult,
     collective_records,
@@ -430,7 +430,10 @@ def _compiled_records(pair: _Pair) -> list[dict]:
                 _shown(b.sharding),
             )
         )
-    records += collective_records(compiled["linen"].as_text(), compiled["nnx"].as_text())
+    records += collective_records(
+        hlo.collective_counts(compiled["linen"].as_text()),
+        hlo.collective_counts(compiled["nnx"].as_text()),
+    )
     return records
 
 
