@@ -532,7 +532,7 @@ def compile_cost(session: Session) -> CheckResult:
     cfg, mesh = session.cfg, session.mesh
     linen_cost = cost.compile_train_step(cfg, mesh, "linen")
     nnx_cost = cost.compile_train_step(cfg, mesh, "nnx")
-    records = []
+    records, loop_summary = loop_body_records(cfg, dict(mesh.shape), linen_cost, nnx_cost)
     for field in (
         "temp_bytes",
         "flops",
@@ -568,7 +568,8 @@ def compile_cost(session: Session) -> CheckResult:
             }
         )
     failing = [r for r in records if not r["passed"]]
-    worst = failing[0] if failing else max(records, key=lambda r: r["max_rel"])
+    costs = [r for r in records if not r["tensor"].startswith("loop body")]
+    worst = failing[0] if failing else max(costs, key=lambda r: r["max_rel"])
     same_program = linen_cost.program == nnx_cost.program
     records.append(
         {
@@ -587,6 +588,7 @@ def compile_cost(session: Session) -> CheckResult:
         for name, c in (("linen", linen_cost), ("nnx", nnx_cost))
     )
     per_device += "; same optimised program" if same_program else "; programs differ"
+    per_device += f"; {loop_summary}"
     return CheckResult(
         name="compile",
         passed=not failing,
@@ -597,6 +599,87 @@ def compile_cost(session: Session) -> CheckResult:
         details=tuple(records),
         message=f"per device: {per_device}",
     )
+
+
+def loop_body_records(
+    cfg: Config, mesh_shape: dict[str, int], linen_cost, nnx_cost
+) -> tuple[list[dict], str]:
+    """Records of the collectives in both twins' pipeline-loop bodies against
+    `cost.loop_body_minimum` (across stages), the ag-once rule (no all-gather over fsdp in
+    the loop), and the loops' presence; plus a one-line summary."""
+    from parity import cost
+
+    minimum = cost.loop_body_minimum(cfg)
+    if not minimum:
+        note = "no iteration loop (S == 1 or iterations unrolled)"
+        return [{"tensor": "loop body", "max_rel": 0.0, "passed": True, "note": note}], note
+    counts = {
+        "linen": cost.loop_body_counts(linen_cost, cfg, mesh_shape),
+        "nnx": cost.loop_body_counts(nnx_cost, cfg, mesh_shape),
+    }
+    records = []
+    for direction in cost.DIRECTIONS:
+        for framework, found in counts.items():
+            if found.loops_found[direction] != 1:
+                records.append(
+                    {
+                        "tensor": f"loop body {direction} ({framework}): loops found",
+                        framework: found.loops_found[direction],
+                        "minimum": 1,
+                        "max_rel": 1.0,
+                        "passed": False,
+                    }
+                )
+        for kind in hlo.COLLECTIVES:
+            allowed = minimum[direction][kind]
+            seen = {fw: c.across_stages[direction][kind] for fw, c in counts.items()}
+            if not allowed and not any(seen.values()):
+                continue
+            excess = max(seen.values()) - allowed
+            records.append(
+                {
+                    "tensor": f"loop body {direction}: {kind} across stages",
+                    **seen,
+                    "minimum": allowed,
+                    "instructions": {
+                        fw: c.across_names[direction][kind] for fw, c in counts.items()
+                    },
+                    "max_rel": float(max(excess, 0)),
+                    "passed": excess <= 0,
+                }
+            )
+        if cfg.pipeline_fsdp_ag_once:
+            seen = {fw: c.fsdp_all_gathers[direction] for fw, c in counts.items()}
+            records.append(
+                {
+                    "tensor": f"loop body {direction}: all-gather over fsdp (ag-once)",
+                    **seen,
+                    "minimum": 0,
+                    "max_rel": float(max(seen.values())),
+                    "passed": not any(seen.values()),
+                }
+            )
+        records.append(
+            {
+                "tensor": f"loop body {direction}: within stages",
+                **{fw: _kinds(c.within_stages[direction]) for fw, c in counts.items()},
+                "max_rel": 0.0,
+                "passed": True,
+                "note": "the layers' own (data, fsdp, tensor); informational",
+            }
+        )
+    nnx_counts = counts["nnx"].across_stages
+    summary = "loop body across stages fwd/bwd: " + ", ".join(
+        f"{kind} {nnx_counts['forward'][kind]}/{nnx_counts['backward'][kind]} "
+        f"(minimum {minimum['forward'][kind]}/{minimum['backward'][kind]})"
+        for kind in hlo.COLLECTIVES
+        if minimum["forward"][kind] or nnx_counts["forward"][kind] or nnx_counts["backward"][kind]
+    )
+    return records, summary
+
+
+def _kinds(counts: dict[str, int]) -> str:
+    return ", ".join(f"{kind} {n}" for kind, n in counts.items() if n) or "none"
 
 
 def _bytes(count: float) -> str:
