@@ -29,21 +29,16 @@ def worst(details, prefix: str) -> float:
 
 def main() -> None:
     print(f"jax {jax.__version__}\n")
-    print(
-        "| config | pipeline vs reference, max rel (logits / loss / grads), Linen | same, NNX "
-        "| NNX vs Linen forward | NNX vs Linen grads |"
-    )
+    print("| config | pipeline vs reference, max rel (logits / loss / grads), Linen | same, NNX "
+          "| NNX vs Linen forward | NNX vs Linen grads |")
     print("| --- | --- | --- | ---: | ---: |")
     for name in CONFIGS:
         session = checks.Session(load_config(CONFIG_DIR / f"{name}.yml"))
         pipeline = checks.pipeline(session).details
         cells = []
         for fw in ("linen", "nnx"):
-            cells.append(
-                " / ".join(
-                    f"{worst(pipeline, f'{fw}/{part}'):.2e}" for part in ("logits", "loss", "grads")
-                )
-            )
+            cells.append(" / ".join(f"{worst(pipeline, f'{fw}/{part}'):.2e}"
+                                    for part in ("logits", "loss", "grads")))
         forward, grads = checks.forward(session), checks.grads(session)
         print(f"| {name} | {cells[0]} | {cells[1]} | {forward.value:.1e} | {grads.value:.1e} |")
 
