@@ -43,7 +43,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
-from serve import compile_and_report, serve  # noqa: E402
+from serve import compile_and_report, serve, timed_compile  # noqa: E402
 
 from migrate import sharding  # noqa: E402
 from migrate.config import load_config  # noqa: E402
@@ -114,7 +114,12 @@ def main() -> None:
     grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     compiled, ready = compile_and_report(grad_fn.lower(params, x), args.hlo)
     ready |= {"side": args.framework, "jax": jax.__version__}
-    serve(lambda: jax.block_until_ready(compiled(params, x)), args.steps, ready)
+    serve(
+        lambda: jax.block_until_ready(compiled(params, x)),
+        lambda: timed_compile(lambda: grad_fn.lower(params, x)),
+        args.steps,
+        ready,
+    )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 worker runs in its own virtual environment.
 
 A worker compiles its function, prints one JSON line (`{"ready": ...}`), then answers each
-`round` line on stdin with `{"times": [seconds per step]}` and stops at `quit` or end of input.
+`round` line on stdin with `{"times": [seconds per step]}`, each `compile` line with
+`{"compile_s": seconds}` (lowered and compiled afresh), and stops at `quit` or end of input.
 """
 
 from __future__ import annotations
@@ -31,20 +32,37 @@ def compile_and_report(lowered, hlo_path: str | None) -> tuple[Callable, dict]:
     }
 
 
-def serve(step: Callable[[], object], steps: int, ready: dict) -> None:
-    """Answer rounds of `steps` timed calls of `step` (which must block until done)."""
+def serve(
+    step: Callable[[], object], recompile: Callable[[], float], steps: int, ready: dict
+) -> None:
+    """Answer rounds of `steps` timed calls of `step` (which must block until done) and
+    compile rounds (`recompile` returns the seconds one fresh compile took)."""
     step()  # warm-up: the first call pays for allocation
     print(json.dumps({"ready": ready}), flush=True)
     for line in sys.stdin:
         command = line.strip()
         if command == "quit":
             break
-        if command != "round":
+        if command == "compile":
+            print(json.dumps({"compile_s": recompile()}), flush=True)
+        elif command == "round":
+            times = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - start)
+            print(json.dumps({"times": times}), flush=True)
+        else:
             print(json.dumps({"error": f"unknown command {command!r}"}), flush=True)
-            continue
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        print(json.dumps({"times": times}), flush=True)
+
+
+def timed_compile(lower: Callable[[], object]) -> float:
+    """Seconds to compile `lower()` (a `jax.stages.Lowered`) afresh: JAX's in-memory caches
+    are cleared first (the executable already held keeps working); lowering is not counted."""
+    import jax
+
+    jax.clear_caches()
+    lowered = lower()
+    start = time.perf_counter()
+    lowered.compile()
+    return time.perf_counter() - start
