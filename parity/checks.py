@@ -405,10 +405,25 @@ def collective_records(linen_counts: dict[str, int], nnx_counts: dict[str, int])
     ]
 
 
+def loop_collective_records(linen_counts: dict[str, int], nnx_counts: dict[str, int]) -> list:
+    """One record per loop-body collective kind (`hlo.loop_collective_counts`): the twins'
+    loops, remat recomputation included, must issue the same collectives."""
+    return [
+        sharding_record(
+            f"collectives: loop body {key}",
+            linen_counts.get(key, 0) == nnx_counts.get(key, 0),
+            linen_counts.get(key, 0),
+            nnx_counts.get(key, 0),
+        )
+        for key in sorted(set(linen_counts) | set(nnx_counts))
+    ]
+
+
 def sharding(session: Session) -> CheckResult:
     """Per parameter: Linen box names vs NNX `out_sharding`, the rank check, the resolved
     PartitionSpec, the NamedSharding of the initialised arrays; the compiled train steps'
-    input and output shardings; the count of each collective in both compiled train steps."""
+    input and output shardings; the count of each collective in both compiled train steps, and
+    per pipeline-loop body (remat recomputation apart)."""
     cfg, mesh, rules = session.cfg, session.mesh, session.cfg.logical_axis_rules
     records = []
     linen_abstract = runs.linen_abstract_variables(cfg, mesh)["params"]
@@ -477,8 +492,12 @@ def sharding(session: Session) -> CheckResult:
                     getattr(b, "spec", b),
                 )
             )
-    linen_counts = hlo.collective_counts(linen_compiled.as_text())
-    records += collective_records(linen_counts, hlo.collective_counts(nnx_compiled.as_text()))
+    linen_text, nnx_text = linen_compiled.as_text(), nnx_compiled.as_text()
+    linen_counts = hlo.collective_counts(linen_text)
+    records += collective_records(linen_counts, hlo.collective_counts(nnx_text))
+    records += loop_collective_records(
+        hlo.loop_collective_counts(linen_text), hlo.loop_collective_counts(nnx_text)
+    )
     failing = [r for r in records if not r["passed"]]
     worst = failing[0] if failing else records[-1]
     return CheckResult(

@@ -75,6 +75,13 @@ class Collective:
     kind: str
     name: str
     groups: tuple[tuple[int, ...], ...]
+    op_name: str = ""  # the JAX operation it came from (XLA's metadata)
+
+    @property
+    def recomputed(self) -> bool:
+        """Issued by a rematerialised computation (`jax.checkpoint` recomputing the forward
+        inside the backward pass)."""
+        return "rematted_computation" in self.op_name
 
     def mesh_axes(self, mesh_shape: Mapping[str, int]) -> frozenset[str]:
         """The mesh axes along which the devices of some group differ. Partition p is the
@@ -183,11 +190,13 @@ def loops(hlo_text: str) -> list[Loop]:
         for line in computations[name]:
             if m := _INSTRUCTION.search(line):
                 instruction = _NAME_OF.match(line)
+                op_name = _OP_NAME.search(line)
                 found.append(
                     Collective(
                         m.group(1),
                         instruction.group(1) if instruction else "?",
                         device_groups(line, num_devices),
+                        op_name.group(1) if op_name else "",
                     )
                 )
             for called in _called(line):
@@ -213,3 +222,15 @@ def loops(hlo_text: str) -> list[Loop]:
     if entry is not None:
         visit(entry, set())
     return found
+
+
+def loop_collective_counts(hlo_text: str) -> dict[str, int]:
+    """Collectives of the program's outermost loop bodies, by direction and kind, with the
+    backward's rematerialised ones counted apart: `{"backward all-gather recomputed": 7, ...}`.
+    Twins that schedule, shard and rematerialise alike issue the same."""
+    counts: Counter[str] = Counter()
+    for loop in loops(hlo_text):
+        for collective in loop.collectives:
+            tail = " recomputed by remat" if collective.recomputed else ""
+            counts[f"{loop.direction} {collective.kind}{tail}"] += 1
+    return dict(counts)
