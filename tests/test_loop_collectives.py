@@ -101,7 +101,7 @@ def test_loops_finds_the_outermost_loops_and_their_nested_collectives():
 
 %inner_body (p: f32[2]) -> f32[2] {
   %p = f32[2]{0} parameter(0)
-  ROOT %g = f32[2]{0} all-gather(%p), replica_groups=[2,2]<=[4], dimensions={0}
+  ROOT %g = f32[2]{0} all-gather(%p), replica_groups=[2,2]<=[4], dimensions={0}, REMAT
 }
 
 %outer_body (p: f32[2]) -> f32[2] {
@@ -115,6 +115,8 @@ ENTRY %main (a: f32[2]) -> f32[2] {
   ROOT %l = f32[2]{0} while(%a), condition=%cond, body=%outer_body, METADATA
 }
 """.replace(
+        "REMAT", 'metadata={op_name="jit(f)/transpose(jvp())/checkpoint/rematted_computation/x"}'
+    ).replace(
         "METADATA",
         'metadata={op_name="jit(f)/transpose(jvp())/while"}, '
         'backend_config={"known_trip_count":{"n":"7"}}',
@@ -122,6 +124,10 @@ ENTRY %main (a: f32[2]) -> f32[2] {
     (loop,) = hlo.loops(text)
     assert loop.direction == "backward" and loop.trip_count == 7
     assert sorted(c.kind for c in loop.collectives) == ["all-gather", "collective-permute"]
+    assert hlo.loop_collective_counts(text) == {
+        "backward all-gather recomputed by remat": 1,
+        "backward collective-permute": 1,
+    }
 
 
 # ------------------------------------------------------------------ the gate
