@@ -76,7 +76,7 @@ def first_stage_store(micro_inputs: jax.Array, num_stages: int, fill: jax.Array)
     repeat; each is overwritten by its output when the rotation wraps it around from the last
     stage (circular storage and the finished outputs in one buffer). With the stage axis
     sharded over stages, every read and write of the store is local to stage 0's devices; the
-    other rows exist only to keep the stage axis uniform and are never read.
+    other rows exist only to keep the stage axis uniform and are never selected.
     """
     first = (jnp.arange(num_stages) == 0).reshape(-1, *([1] * micro_inputs.ndim))
     return jnp.where(first, micro_inputs[None], fill)
