@@ -37,6 +37,7 @@ BATCH_LENGTH_MLP = ("activation_batch", "activation_length", "activation_mlp")
 BATCH_LENGTH_VOCAB = ("activation_batch", "activation_length", "activation_vocab")
 STAGE_BATCH_LENGTH_EMBED = ("activation_stage", *BATCH_LENGTH_EMBED)
 MICROBATCH_BATCH_LENGTH_EMBED = (None, *BATCH_LENGTH_EMBED)
+STAGE_MICROBATCH_BATCH_LENGTH_EMBED = ("activation_stage", *MICROBATCH_BATCH_LENGTH_EMBED)
 
 # Remat checkpoint names (PIPELINE.md "Remat").
 ITERATION_INPUT = "iteration_input"

@@ -6,6 +6,8 @@ Stage s during repeat r runs global layers `(r*S + s)*L + j`, j in 0..L-1, so a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -55,9 +57,52 @@ def stage_work(cfg: Config, iteration: jnp.ndarray | int):
 
 
 def last_stage_microbatch(cfg: Config, iteration: jnp.ndarray | int):
-    """(microbatch id, valid) of what the last stage finishes at `iteration`."""
-    microbatch_ids, _, valid = stage_work(cfg, iteration)
-    return microbatch_ids[-1], valid[-1]
+    """(microbatch id, valid) of what the last stage finishes at `iteration`: scalars.
+
+    Derived from the iteration counter alone (`processed = t - d*(S-1)`), so every device
+    computes them locally; reading them out of `stage_work`'s stage-sharded `[S]` arrays would
+    cost a collective per iteration. Equal to `stage_work(cfg, t)[0][-1], [2][-1]`.
+    """
+    work = cfg.num_microbatches * cfg.num_repeats
+    processed = iteration - cfg.forwarding_delay * (cfg.num_stages - 1)
+    valid = (processed >= 0) & (processed < work)
+    return jnp.clip(processed, 0, work - 1) % cfg.num_microbatches, valid
+
+
+def first_stage_store(micro_inputs: jax.Array, num_stages: int, fill: jax.Array) -> jax.Array:
+    """`[M, ...] -> [S, M, ...]`: stage 0's store of its M microbatches, `fill` elsewhere.
+
+    Stage 0 reads microbatch `t % M` from row 0 at iteration t: the fresh input during the first
+    repeat; each is overwritten by its output when the rotation wraps it around from the last
+    stage (circular storage and the finished outputs in one buffer). With the stage axis
+    sharded over stages, every read and write of the store is local to stage 0's devices; the
+    other rows exist only to keep the stage axis uniform and are never selected.
+    """
+    first = (jnp.arange(num_stages) == 0).reshape(-1, *([1] * micro_inputs.ndim))
+    return jnp.where(first, micro_inputs[None], fill)
+
+
+def first_stage_input(
+    store: jax.Array, shift: jax.Array, num_microbatches: int, iteration: jnp.ndarray | int
+) -> jax.Array:
+    """Every stage's input `[S, ...]`: stage 0 takes microbatch `t % M` from its store, the
+    others what their left neighbour forwarded (`shift`). A select per stage row: local."""
+    first = (jnp.arange(shift.shape[0]) == 0).reshape(-1, *([1] * (shift.ndim - 1)))
+    return jnp.where(first, store[:, iteration % num_microbatches], shift)
+
+
+def store_finished(
+    cfg: Config, store: jax.Array, rotated: jax.Array, iteration: jnp.ndarray | int
+) -> jax.Array:
+    """`store` with the last stage's output of `iteration` written into stage 0's row.
+
+    `rotated` is this iteration's stage outputs rotated one stage right, so its row 0 already
+    holds the last stage's output (the rotation wraps around): each stage row writes its own
+    row of `rotated`, and nothing moves between stages. Bubbles write nothing.
+    """
+    finished, finished_valid = last_stage_microbatch(cfg, iteration)
+    kept = store[:, finished]
+    return store.at[:, finished].set(jnp.where(finished_valid, rotated, kept))
 
 
 def split_microbatches(x: jax.Array, num_microbatches: int) -> jax.Array:
@@ -73,3 +118,22 @@ def split_microbatches(x: jax.Array, num_microbatches: int) -> jax.Array:
 def merge_microbatches(x: jax.Array) -> jax.Array:
     """Inverse of `split_microbatches`: `[M, B/M, ...] -> [B, ...]` in the original row order."""
     return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def permutation(
+    move: Callable[[jax.Array], jax.Array], inverse: Callable[[jax.Array], jax.Array]
+) -> Callable[[jax.Array], jax.Array]:
+    """`move`, a pure data movement, with `inverse` as its transpose under autodiff.
+
+    A permutation's transpose is its inverse; saying so changes no value (no arithmetic either
+    way) but lets XLA emit the backward of the stage rotation as one collective-permute, where
+    autodiff's own transpose of `jnp.roll` (two pads and a sum) partitions into two.
+    Reverse mode only: `jax.jvp` through it raises.
+    """
+
+    @jax.custom_vjp
+    def moved(x: jax.Array) -> jax.Array:
+        return move(x)
+
+    moved.defvjp(lambda x: (move(x), None), lambda _, cotangent: (inverse(cotangent),))
+    return moved

@@ -405,10 +405,25 @@ def collective_records(linen_counts: dict[str, int], nnx_counts: dict[str, int])
     ]
 
 
+def loop_collective_records(linen_counts: dict[str, int], nnx_counts: dict[str, int]) -> list:
+    """One record per loop-body collective kind (`hlo.loop_collective_counts`): the twins'
+    loops, remat recomputation included, must issue the same collectives."""
+    return [
+        sharding_record(
+            f"collectives: loop body {key}",
+            linen_counts.get(key, 0) == nnx_counts.get(key, 0),
+            linen_counts.get(key, 0),
+            nnx_counts.get(key, 0),
+        )
+        for key in sorted(set(linen_counts) | set(nnx_counts))
+    ]
+
+
 def sharding(session: Session) -> CheckResult:
     """Per parameter: Linen box names vs NNX `out_sharding`, the rank check, the resolved
     PartitionSpec, the NamedSharding of the initialised arrays; the compiled train steps'
-    input and output shardings; the count of each collective in both compiled train steps."""
+    input and output shardings; the count of each collective in both compiled train steps, and
+    per pipeline-loop body (remat recomputation apart)."""
     cfg, mesh, rules = session.cfg, session.mesh, session.cfg.logical_axis_rules
     records = []
     linen_abstract = runs.linen_abstract_variables(cfg, mesh)["params"]
@@ -477,8 +492,12 @@ def sharding(session: Session) -> CheckResult:
                     getattr(b, "spec", b),
                 )
             )
-    linen_counts = hlo.collective_counts(linen_compiled.as_text())
-    records += collective_records(linen_counts, hlo.collective_counts(nnx_compiled.as_text()))
+    linen_text, nnx_text = linen_compiled.as_text(), nnx_compiled.as_text()
+    linen_counts = hlo.collective_counts(linen_text)
+    records += collective_records(linen_counts, hlo.collective_counts(nnx_text))
+    records += loop_collective_records(
+        hlo.loop_collective_counts(linen_text), hlo.loop_collective_counts(nnx_text)
+    )
     failing = [r for r in records if not r["passed"]]
     worst = failing[0] if failing else records[-1]
     return CheckResult(
@@ -532,7 +551,7 @@ def compile_cost(session: Session) -> CheckResult:
     cfg, mesh = session.cfg, session.mesh
     linen_cost = cost.compile_train_step(cfg, mesh, "linen")
     nnx_cost = cost.compile_train_step(cfg, mesh, "nnx")
-    records = []
+    records, loop_summary = loop_body_records(cfg, dict(mesh.shape), linen_cost, nnx_cost)
     for field in (
         "temp_bytes",
         "flops",
@@ -568,7 +587,8 @@ def compile_cost(session: Session) -> CheckResult:
             }
         )
     failing = [r for r in records if not r["passed"]]
-    worst = failing[0] if failing else max(records, key=lambda r: r["max_rel"])
+    costs = [r for r in records if not r["tensor"].startswith("loop body")]
+    worst = failing[0] if failing else max(costs, key=lambda r: r["max_rel"])
     same_program = linen_cost.program == nnx_cost.program
     records.append(
         {
@@ -587,6 +607,7 @@ def compile_cost(session: Session) -> CheckResult:
         for name, c in (("linen", linen_cost), ("nnx", nnx_cost))
     )
     per_device += "; same optimised program" if same_program else "; programs differ"
+    per_device += f"; {loop_summary}"
     return CheckResult(
         name="compile",
         passed=not failing,
@@ -597,6 +618,87 @@ def compile_cost(session: Session) -> CheckResult:
         details=tuple(records),
         message=f"per device: {per_device}",
     )
+
+
+def loop_body_records(
+    cfg: Config, mesh_shape: dict[str, int], linen_cost, nnx_cost
+) -> tuple[list[dict], str]:
+    """Records of the collectives in both twins' pipeline-loop bodies against
+    `cost.loop_body_minimum` (across stages), the ag-once rule (no all-gather over fsdp in
+    the loop), and the loops' presence; plus a one-line summary."""
+    from parity import cost
+
+    minimum = cost.loop_body_minimum(cfg)
+    if not minimum:
+        note = "no iteration loop (S == 1 or iterations unrolled)"
+        return [{"tensor": "loop body", "max_rel": 0.0, "passed": True, "note": note}], note
+    counts = {
+        "linen": cost.loop_body_counts(linen_cost, cfg, mesh_shape),
+        "nnx": cost.loop_body_counts(nnx_cost, cfg, mesh_shape),
+    }
+    records = []
+    for direction in cost.DIRECTIONS:
+        for framework, found in counts.items():
+            if found.loops_found[direction] != 1:
+                records.append(
+                    {
+                        "tensor": f"loop body {direction} ({framework}): loops found",
+                        framework: found.loops_found[direction],
+                        "minimum": 1,
+                        "max_rel": 1.0,
+                        "passed": False,
+                    }
+                )
+        for kind in hlo.COLLECTIVES:
+            allowed = minimum[direction][kind]
+            seen = {fw: c.across_stages[direction][kind] for fw, c in counts.items()}
+            if not allowed and not any(seen.values()):
+                continue
+            excess = max(seen.values()) - allowed
+            records.append(
+                {
+                    "tensor": f"loop body {direction}: {kind} across stages",
+                    **seen,
+                    "minimum": allowed,
+                    "instructions": {
+                        fw: c.across_names[direction][kind] for fw, c in counts.items()
+                    },
+                    "max_rel": float(max(excess, 0)),
+                    "passed": excess <= 0,
+                }
+            )
+        if cfg.pipeline_fsdp_ag_once:
+            seen = {fw: c.fsdp_all_gathers[direction] for fw, c in counts.items()}
+            records.append(
+                {
+                    "tensor": f"loop body {direction}: all-gather over fsdp (ag-once)",
+                    **seen,
+                    "minimum": 0,
+                    "max_rel": float(max(seen.values())),
+                    "passed": not any(seen.values()),
+                }
+            )
+        records.append(
+            {
+                "tensor": f"loop body {direction}: within stages",
+                **{fw: _kinds(c.within_stages[direction]) for fw, c in counts.items()},
+                "max_rel": 0.0,
+                "passed": True,
+                "note": "the layers' own (data, fsdp, tensor); informational",
+            }
+        )
+    nnx_counts = counts["nnx"].across_stages
+    summary = "loop body across stages fwd/bwd: " + ", ".join(
+        f"{kind} {nnx_counts['forward'][kind]}/{nnx_counts['backward'][kind]} "
+        f"(minimum {minimum['forward'][kind]}/{minimum['backward'][kind]})"
+        for kind in hlo.COLLECTIVES
+        if minimum["forward"][kind] or nnx_counts["forward"][kind] or nnx_counts["backward"][kind]
+    )
+    return records, summary
+
+
+def _kinds(counts: dict[str, int]) -> str:
+    return ", ".join(f"{kind} {n}" for kind, n in counts.items() if n) or "none"
 
 
 def _bytes(count: float) -> str:

@@ -40,12 +40,14 @@ class CompiledCost:
     collectives: dict[str, int]
     compile_seconds: float
     program: str  # hlo.program_fingerprint of the optimised module
+    loops: tuple[hlo.Loop, ...] = ()  # outermost while loops, with their bodies' collectives
 
     @classmethod
     def of(cls, compiled, compile_seconds: float) -> CompiledCost:
         memory = compiled.memory_analysis()
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        text = compiled.as_text()
         return cls(
             argument_bytes=int(memory.argument_size_in_bytes),
             output_bytes=int(memory.output_size_in_bytes),
@@ -53,9 +55,10 @@ class CompiledCost:
             generated_code_bytes=int(memory.generated_code_size_in_bytes),
             flops=float(cost.get("flops", 0.0)),
             bytes_accessed=float(cost.get("bytes accessed", 0.0)),
-            collectives=hlo.collective_counts(compiled.as_text()),
+            collectives=hlo.collective_counts(text),
             compile_seconds=compile_seconds,
-            program=hlo.program_fingerprint(compiled.as_text()),
+            program=hlo.program_fingerprint(text),
+            loops=tuple(hlo.loops(text)),
         )
 
 
@@ -203,3 +206,78 @@ def pipeline_efficiency(cfg: Config, mesh: Mesh) -> PipelineEfficiency:
         pipeline_total / reference_total,
         cfg.pipeline_flop_overhead,
     )
+
+
+# ------------------------------------------------------------------ loop-body collectives
+
+DIRECTIONS = ("forward", "backward")
+
+
+def loop_body_minimum(cfg: Config) -> dict[str, dict[str, int]]:
+    """Collectives across the `stage` mesh axis that one pipeline iteration needs, per loop
+    body (forward, backward) and kind: what the compile check allows, and why.
+
+    Per iteration, the only data that must cross stages is every stage's output moving to its
+    right-hand neighbour: one collective-permute over the stage ring. Everything else is
+    placed so that it stays on the stage that uses it:
+    - Bookkeeping (microbatch, repeat, bubble mask of each stage; which microbatch the last
+      stage finishes) is computed on every device from the iteration counter and the stage
+      index; read out of a stage-sharded array it would cost a permute and an all-reduce.
+    - Inputs, circular storage (R > 1) and finished outputs live in one buffer sharded over
+      stages, stage 0's row holding them. The rotation wraps the last stage's output around
+      to stage 0, which stores it there: no transfer beyond the rotation, whether the output
+      is needed again one iteration later (M == S*d) or after waiting (M > S*d, circular
+      storage). The finished outputs leave stage 0 once, after the loop.
+    - Forwarding delay d = 2 delays the rotated outputs by one iteration on the receiving
+      stage (a local carry): still one rotation.
+    - Scanned layers per stage and `pipeline_fsdp_ag_once` change what happens within a
+      stage (a nested loop; the fsdp all-gather hoisted before the loop), not across stages.
+    - Backward: each forward step's transpose. The rotation's is the opposite rotation, one
+      permute (`schedule.permutation`); the buffer's reads and writes transpose to local
+      writes and reads; weight gradients accumulate on the stage that owns the weights.
+
+    Collectives within a stage (over data, fsdp or tensor) are the layers' own, the same a
+    non-pipelined layer issues; they are reported, and bounded only where the config
+    removes them (`pipeline_fsdp_ag_once`: no all-gather over fsdp in the loop).
+    A config without a pipeline (S == 1) or with the loop unrolled has no loop body: empty.
+    """
+    if not cfg.using_pipeline or not cfg.scan_pipeline_iterations:
+        return {}
+    rotation = {kind: 0 for kind in hlo.COLLECTIVES} | {"collective-permute": 1}
+    return {direction: dict(rotation) for direction in DIRECTIONS}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopBodyCounts:
+    """Collectives per pipeline-loop body and kind, by whether they cross the stage axis,
+    with the names of the stage-crossing instructions (to name an excess)."""
+
+    across_stages: dict[str, dict[str, int]]  # direction -> kind -> count
+    within_stages: dict[str, dict[str, int]]
+    fsdp_all_gathers: dict[str, int]  # direction -> all-gathers whose groups span fsdp
+    across_names: dict[str, dict[str, list[str]]]  # direction -> kind -> instruction names
+    loops_found: dict[str, int]  # direction -> pipeline loops found
+
+
+def loop_body_counts(cost: CompiledCost, cfg: Config, mesh_shape: dict[str, int]) -> LoopBodyCounts:
+    """Count the collectives of the pipeline's iteration loops (the outermost loops that run
+    `cfg.num_iterations` times), forward and backward, against the mesh's axes."""
+    across = {d: dict.fromkeys(hlo.COLLECTIVES, 0) for d in DIRECTIONS}
+    within = {d: dict.fromkeys(hlo.COLLECTIVES, 0) for d in DIRECTIONS}
+    fsdp_gathers = dict.fromkeys(DIRECTIONS, 0)
+    names = {d: {kind: [] for kind in hlo.COLLECTIVES} for d in DIRECTIONS}
+    found = dict.fromkeys(DIRECTIONS, 0)
+    for loop in cost.loops:
+        if loop.trip_count != cfg.num_iterations:
+            continue
+        found[loop.direction] += 1
+        for collective in loop.collectives:
+            spanned = collective.mesh_axes(mesh_shape)
+            if "stage" in spanned:
+                across[loop.direction][collective.kind] += 1
+                names[loop.direction][collective.kind].append(collective.name)
+            else:
+                within[loop.direction][collective.kind] += 1
+            if collective.kind == "all-gather" and "fsdp" in spanned:
+                fsdp_gathers[loop.direction] += 1
+    return LoopBodyCounts(across, within, fsdp_gathers, names, found)

@@ -1,9 +1,14 @@
-"""Facts read off compiled XLA programs: collective counts, memory and cost."""
+"""Facts read off compiled XLA programs: collective counts (per program and per loop body),
+and a fingerprint of the optimised program."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
+from collections.abc import Mapping
+
+import numpy as np
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
 # `%name = type op(` or `op-start(`: the async `-done` halves are not counted twice.
@@ -41,3 +46,191 @@ def program_fingerprint(hlo_text: str) -> str:
     names: dict[str, str] = {}
     text = _NAME.sub(lambda m: names.setdefault(m.group(0), f"%v{len(names)}"), "\n".join(kept))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------ loop bodies
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_NAME_OF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_CALLED = re.compile(
+    r"\b(?:body|condition|to_apply|calls|branch_computations|called_computations|"
+    r"true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)"
+)
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_EXPLICIT = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_IOTA = r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?"
+_IOTA_GROUPS = re.compile(r"replica_groups=" + _IOTA)
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction and the devices it connects: groups of partition ids (a
+    collective-permute's source -> target pairs count as groups of two)."""
+
+    kind: str
+    name: str
+    groups: tuple[tuple[int, ...], ...]
+    op_name: str = ""  # the JAX operation it came from (XLA's metadata)
+
+    @property
+    def recomputed(self) -> bool:
+        """Issued by a rematerialised computation (`jax.checkpoint` recomputing the forward
+        inside the backward pass)."""
+        return "rematted_computation" in self.op_name
+
+    def mesh_axes(self, mesh_shape: Mapping[str, int]) -> frozenset[str]:
+        """The mesh axes along which the devices of some group differ. Partition p is the
+        p-th device of the mesh in row-major order (how jit assigns a mesh's devices)."""
+        names, sizes = list(mesh_shape), [mesh_shape[a] for a in mesh_shape]
+        axes: set[str] = set()
+        for group in self.groups:
+            coords = np.array(np.unravel_index(np.asarray(group, dtype=np.int64), sizes))
+            axes.update(n for n, row in zip(names, coords, strict=True) if len(set(row)) > 1)
+        return frozenset(axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """A while loop of the program that is not nested in another loop's body, with every
+    collective of its body (and of the computations the body calls, nested loops included)."""
+
+    direction: str  # "backward" when its source op is a transpose (autodiff), else "forward"
+    trip_count: int | None
+    collectives: tuple[Collective, ...]
+
+
+def _iota(dims: str, source: str, transpose: str | None) -> np.ndarray:
+    """XLA's iota tile `[dims]<=[source]T(transpose)`: arange reshaped to `source`,
+    transposed, reshaped to `dims`."""
+    shape = [int(d) for d in source.split(",")]
+    ids = np.arange(int(np.prod(shape))).reshape(shape)
+    if transpose:
+        ids = ids.transpose([int(p) for p in transpose.split(",")])
+    return ids.reshape([int(d) for d in dims.split(",")])
+
+
+def _mesh_groups(match: re.Match, num_devices: int) -> tuple[tuple[int, ...], ...]:
+    axes = [a.split("=") for a in match.group(1).split(",")]
+    names = [a.strip().strip("'") for a, _ in axes]
+    sizes = [int(s) for _, s in axes]
+    device_ids = match.group(2)
+    if device_ids is None:
+        ids = np.arange(num_devices)
+    elif m := re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", device_ids.strip()):
+        ids = _iota(m.group(1), m.group(1), m.group(2)).reshape(-1)
+    else:
+        ids = np.array([int(i) for i in device_ids.split(",")])
+    grouped = [g.strip().strip("'") for g in match.group(3).split(",") if g.strip()]
+    if any(g not in names for g in grouped):
+        raise ValueError(f"replica groups over unknown mesh axes {grouped} (mesh {names})")
+    kept = [names.index(n) for n in names if n not in grouped]
+    order = kept + [names.index(g) for g in grouped]
+    size = int(np.prod([sizes[names.index(g)] for g in grouped]))
+    ids = ids.reshape(sizes).transpose(order).reshape(-1, size)
+    return tuple(tuple(int(i) for i in row) for row in ids)
+
+
+def device_groups(line: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
+    """The device groups of one collective instruction, in any of the forms XLA prints:
+    source-target pairs, explicit groups, iota tiles (`[4,2]<=[2,4]T(1,0)`) or mesh axes
+    (`mesh['stage'=4,'fsdp'=2] {'fsdp'}`). Raises on a form it does not know, so that a
+    count never silently treats a collective as local."""
+    if m := _PAIRS.search(line):
+        return tuple(tuple(int(i) for i in p.split(",")) for p in re.findall(r"\{([\d,]+)\}", m[1]))
+    if m := _MESH_GROUPS.search(line):
+        return _mesh_groups(m, num_devices)
+    if m := _IOTA_GROUPS.search(line):
+        return tuple(tuple(int(i) for i in row) for row in _iota(m[1], m[2], m[3]))
+    if m := _EXPLICIT.search(line):
+        groups = tuple(
+            tuple(int(i) for i in g.split(",") if i) for g in re.findall(r"\{([\d,]*)\}", m[1])
+        )
+        return groups or (tuple(range(num_devices)),)
+    if "replica_groups" not in line and "source_target_pairs" not in line:
+        return (tuple(range(num_devices)),)
+    raise ValueError(f"unrecognised device groups in: {line.strip()[:300]}")
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+    computations: dict[str, list[str]] = {}
+    entry, name = None, None
+    for line in hlo_text.splitlines():
+        if not line.startswith((" ", "}")) and (m := _HEADER.match(line)):
+            name = m.group(1)
+            computations[name] = []
+            if line.startswith("ENTRY"):
+                entry = name
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            computations[name].append(line)
+    return computations, entry
+
+
+def _called(line: str) -> list[str]:
+    return [n for m in _CALLED.finditer(line) for n in re.findall(r"[\w.\-]+", m.group(1))]
+
+
+def loops(hlo_text: str) -> list[Loop]:
+    """The program's outermost while loops (for a scanned pipeline, the forward and the
+    backward iteration loop), each with the collectives its body issues per iteration."""
+    computations, entry = _computations(hlo_text)
+    num_devices = int(m[1]) if (m := re.search(r"num_partitions=(\d+)", hlo_text)) else 1
+
+    def collectives_under(name: str, seen: set[str]) -> list[Collective]:
+        if name in seen or name not in computations:
+            return []
+        seen.add(name)
+        found = []
+        for line in computations[name]:
+            if m := _INSTRUCTION.search(line):
+                instruction = _NAME_OF.match(line)
+                op_name = _OP_NAME.search(line)
+                found.append(
+                    Collective(
+                        m.group(1),
+                        instruction.group(1) if instruction else "?",
+                        device_groups(line, num_devices),
+                        op_name.group(1) if op_name else "",
+                    )
+                )
+            for called in _called(line):
+                found += collectives_under(called, seen)
+        return found
+
+    found: list[Loop] = []
+
+    def visit(name: str, seen: set[str]) -> None:
+        if name in seen or name not in computations:
+            return
+        seen.add(name)
+        for line in computations[name]:
+            if re.search(r"\swhile\(", line) and (body := re.search(r"\bbody=%?([\w.\-]+)", line)):
+                op_name = m.group(1) if (m := _OP_NAME.search(line)) else ""
+                trip = int(m.group(1)) if (m := _TRIP_COUNT.search(line)) else None
+                direction = "backward" if "transpose(" in op_name else "forward"
+                found.append(Loop(direction, trip, tuple(collectives_under(body[1], set()))))
+                continue
+            for called in _called(line):
+                visit(called, seen)
+
+    if entry is not None:
+        visit(entry, set())
+    return found
+
+
+def loop_collective_counts(hlo_text: str) -> dict[str, int]:
+    """Collectives of the program's outermost loop bodies, by direction and kind, with the
+    backward's rematerialised ones counted apart: `{"backward all-gather recomputed": 7, ...}`.
+    Twins that schedule, shard and rematerialise alike issue the same."""
+    counts: Counter[str] = Counter()
+    for loop in loops(hlo_text):
+        for collective in loop.collectives:
+            tail = " recomputed by remat" if collective.recomputed else ""
+            counts[f"{loop.direction} {collective.kind}{tail}"] += 1
+    return dict(counts)

@@ -35,6 +35,13 @@ def scan_layers(
     return x
 
 
+# Activations move one stage right, the last stage's output wrapping around to stage 0: one
+# collective-permute forward and, its transpose being the opposite rotation, one backward.
+rotate_stages = schedule.permutation(
+    lambda x: jnp.roll(x, 1, axis=0), lambda x: jnp.roll(x, -1, axis=0)
+)
+
+
 class StageLayers(nn.Module):
     """The L decoder layers one stage runs per visit (scanned, or L separate modules)."""
 
@@ -153,18 +160,19 @@ class Pipeline(nn.Module):
         fill = jnp.asarray(self.bubble_fill, inputs.dtype)
         loop_state = {
             "shift": jnp.full(stage_shape, fill),  # each stage's input for the next iteration
-            "previous": jnp.full(stage_shape, fill),  # last iteration's outputs (delay d=2)
-            "outputs": jnp.full(micro_inputs.shape, fill),  # finished microbatches; circular
+            "previous": jnp.full(stage_shape, fill),  # last iteration's rotated outputs (d=2)
+            # Inputs, circular storage and finished outputs: stage 0's row, sharded over stages.
+            "store": sharding.constrain(
+                schedule.first_stage_store(micro_inputs, cfg.num_stages, fill),
+                axes.STAGE_MICROBATCH_BATCH_LENGTH_EMBED,
+                mesh,
+                rules,
+            ),
         }
 
         def iteration(state, t):
             micro_ids, repeat_ids, valid = schedule.stage_work(cfg, t)
-            # Stage 0 takes a fresh microbatch for t < M, afterwards the last stage's output
-            # for the same microbatch one repeat earlier (circular storage).
-            first = jnp.where(
-                t < num_micro, micro_inputs[t % num_micro], state["outputs"][t % num_micro]
-            )
-            stage_inputs = state["shift"].at[0].set(first)
+            stage_inputs = schedule.first_stage_input(state["store"], state["shift"], num_micro, t)
             # Idle slots compute on zeros: NaN x 0 in the backward pass would poison gradients.
             stage_inputs = jnp.where(valid[:, None, None, None], stage_inputs, 0)
             stage_inputs = checkpoint_name(stage_inputs, axes.ITERATION_INPUT)
@@ -174,20 +182,19 @@ class Pipeline(nn.Module):
             stage_outputs = self.run_stages(
                 weights, stage_inputs, micro_positions[micro_ids], repeat_ids
             )
-            finished, finished_valid = micro_ids[-1], valid[-1]
-            outputs = (
-                state["outputs"]
-                .at[finished]
-                .set(jnp.where(finished_valid, stage_outputs[-1], state["outputs"][finished]))
-            )
-            forwarded = stage_outputs if cfg.forwarding_delay == 1 else state["previous"]
-            shift = nn.with_logical_constraint(
-                jnp.roll(forwarded, 1, axis=0),
+            # The schedule's one collective per iteration: outputs move one stage right. The
+            # rotation wraps the last stage's output around to stage 0, which stores it locally.
+            rotated = nn.with_logical_constraint(
+                rotate_stages(stage_outputs),
                 axes.STAGE_BATCH_LENGTH_EMBED,
                 rules=rules,
                 mesh=mesh,
             )
-            new_state = {"shift": shift, "previous": stage_outputs, "outputs": outputs}
+            new_state = {
+                "shift": rotated if cfg.forwarding_delay == 1 else state["previous"],
+                "previous": rotated,
+                "store": schedule.store_finished(cfg, state["store"], rotated, t),
+            }
             return new_state, (stage_outputs if trace else None)
 
         policy = numerics.remat_policy(cfg)
@@ -205,5 +212,6 @@ class Pipeline(nn.Module):
                 loop_state, stage_outputs = iteration(loop_state, jnp.asarray(t))
                 history.append(stage_outputs)
             history = jnp.stack(history) if trace else None
-        outputs = schedule.merge_microbatches(loop_state["outputs"])
+        # Stage 0's row holds the finished outputs: broadcast to every stage once, after the loop.
+        outputs = schedule.merge_microbatches(loop_state["store"][0])
         return (outputs, history) if trace else outputs

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Install MaxText 0.2.5 into its own virtual environment for the benchmarks in bench/.
+# MaxText is never a dependency of the project: its wheel goes in with --no-deps, next to exactly
+# the packages that the imports listed below need (bench/maxtext/requirements.txt, pinned).
+#
+#   bench/maxtext/install.sh                  # -> bench/.venv-maxtext, checks the pipeline imports
+#   bench/maxtext/install.sh MODULE...        # also check that these modules import
+#   MAXTEXT_VENV=/path bench/maxtext/install.sh   # another location
+#   PYTHON=/path/to/python3.12 bench/maxtext/install.sh
+#
+# Run MaxText code with `DECOUPLE_GCLOUD=TRUE $MAXTEXT_VENV/bin/python ...` (CPU, no cloud).
+# Idempotent: a second run only re-checks. Prints the environment's python on success.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+venv=${MAXTEXT_VENV:-$root/bench/.venv-maxtext}
+python=${PYTHON:-$("$root/.ci/find-python" python3.12)}
+modules=(maxtext.layers.pipeline maxtext.models.llama2 maxtext.configs.pyconfig "$@")
+
+if [ ! -f "$venv/.installed" ] || [ "$here/requirements.txt" -nt "$venv/.installed" ]; then
+  [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+  "$venv/bin/python" -m pip install --quiet --upgrade pip
+  "$venv/bin/python" -m pip install --quiet --no-deps -r "$here/requirements.txt"
+  "$venv/bin/python" -m pip install --quiet --no-deps maxtext==0.2.5
+  touch "$venv/.installed"
+fi
+for module in "${modules[@]}"; do
+  DECOUPLE_GCLOUD=TRUE JAX_PLATFORMS=cpu "$venv/bin/python" -c "import $module" >/dev/null 2>&1 || {
+    echo "install.sh: 'import $module' fails in $venv; the error:" >&2
+    DECOUPLE_GCLOUD=TRUE JAX_PLATFORMS=cpu "$venv/bin/python" -c "import $module" 2>&1 | tail -3 >&2
+    echo "add the missing package (pinned) to $here/requirements.txt and rerun" >&2
+    exit 1
+  }
+done
+echo "$venv/bin/python"

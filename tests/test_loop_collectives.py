@@ -1,0 +1,205 @@
+"""The pipeline loop's communication: the schedule's scalar bookkeeping, the rotation's transpose,
+the HLO reading behind the compile check's loop-body gate, the gate on every tiny config, and a
+seeded extra collective that the gate must catch (monkeypatched into the NNX side)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import CONFIG_DIR, TINY_CONFIGS, tiny
+
+import migrate.nnx.pipeline as nnx_pipeline
+from migrate import schedule
+from parity import checks, cli, cost, hlo, runs
+
+
+@pytest.mark.parametrize("name", ["llama2-tiny", "llama2-tiny-delay", "llama2-tiny-scan"])
+def test_last_stage_bookkeeping_from_the_counter_equals_the_stage_arrays(name):
+    cfg = tiny(name)
+    for t in range(-2, cfg.num_iterations + 2):
+        micro, _, valid = schedule.stage_work(cfg, t)
+        finished, finished_valid = schedule.last_stage_microbatch(cfg, t)
+        assert jnp.ndim(finished) == 0 and jnp.ndim(finished_valid) == 0
+        assert bool(finished_valid) == bool(valid[-1]), t
+        if finished_valid:
+            assert int(finished) == int(micro[-1]), t
+
+
+def test_rotation_transposes_to_the_opposite_rotation_exactly():
+    rotate = schedule.permutation(
+        lambda x: jnp.roll(x, 1, axis=0), lambda x: jnp.roll(x, -1, axis=0)
+    )
+    x = jax.random.normal(jax.random.key(0), (4, 3, 5))
+    weights = jax.random.normal(jax.random.key(1), (4, 3, 5))
+    assert np.array_equal(rotate(x), jnp.roll(x, 1, axis=0))
+    ours = jax.grad(lambda x: jnp.sum(weights * jnp.sin(rotate(x))))(x)
+    autodiff = jax.grad(lambda x: jnp.sum(weights * jnp.sin(jnp.roll(x, 1, axis=0))))(x)
+    assert np.array_equal(ours, autodiff)
+
+
+def test_first_stage_store_and_input_stay_per_stage_row():
+    micro = jnp.arange(3 * 2, dtype=jnp.float32).reshape(3, 2)  # M=3 microbatches
+    store = schedule.first_stage_store(micro, 4, jnp.float32(jnp.nan))
+    assert store.shape == (4, 3, 2)
+    assert np.array_equal(store[0], micro) and np.isnan(store[1:]).all()
+    shift = jnp.full((4, 2), -1.0)
+    inputs = schedule.first_stage_input(store, shift, 3, 4)  # t=4: microbatch 1
+    assert np.array_equal(inputs[0], micro[1]) and (inputs[1:] == -1).all()
+
+
+# ------------------------------------------------------------------ reading the HLO
+
+
+@pytest.mark.parametrize(
+    ("text", "groups"),
+    [
+        ("source_target_pairs={{0,2},{6,0}}", ((0, 2), (6, 0))),
+        ("replica_groups={{0,2,4,6},{1,3,5,7}}", ((0, 2, 4, 6), (1, 3, 5, 7))),
+        ("replica_groups={}", ((0, 1, 2, 3, 4, 5, 6, 7),)),
+        ("replica_groups=[4,2]<=[8]", ((0, 1), (2, 3), (4, 5), (6, 7))),
+        ("replica_groups=[2,4]<=[4,2]T(1,0)", ((0, 2, 4, 6), (1, 3, 5, 7))),
+        ("replica_groups=[4,2]<=[2,2,2]T(2,1,0)", ((0, 4), (2, 6), (1, 5), (3, 7))),
+        (
+            "replica_groups=mesh['data'=1,'stage'=4,'fsdp'=2,'tensor'=1] {'stage'}",
+            ((0, 2, 4, 6), (1, 3, 5, 7)),
+        ),
+        (
+            "replica_groups=mesh['axis_0'=1,'axis_1'=1,'axis_2'=2,'axis_3'=4], "
+            "device_ids=([4,2]T(1,0)) {'axis_2'}",
+            ((0, 1), (2, 3), (4, 5), (6, 7)),
+        ),
+    ],
+)
+def test_device_groups_in_every_printed_form(text, groups):
+    line = f"  %x = f32[2]{{0}} all-reduce(%y), channel_id=1, {text}, use_global_device_ids=true"
+    assert hlo.device_groups(line, 8) == groups
+
+
+def test_device_groups_refuse_an_unknown_form():
+    with pytest.raises(ValueError, match="unrecognised device groups"):
+        hlo.device_groups("  %x = f32[2] all-reduce(%y), replica_groups=<something new>", 8)
+
+
+def test_mesh_axes_of_a_collective():
+    mesh = {"data": 1, "stage": 4, "fsdp": 2, "tensor": 1}
+    ring = hlo.Collective("collective-permute", "r", ((0, 2), (2, 4), (4, 6), (6, 0)))
+    gather = hlo.Collective("all-gather", "g", ((0, 1), (2, 3), (4, 5), (6, 7)))
+    everything = hlo.Collective("all-reduce", "a", (tuple(range(8)),))
+    assert ring.mesh_axes(mesh) == {"stage"}
+    assert gather.mesh_axes(mesh) == {"fsdp"}
+    assert everything.mesh_axes(mesh) == {"stage", "fsdp"}
+
+
+def test_loops_finds_the_outermost_loops_and_their_nested_collectives():
+    text = """HloModule m, num_partitions=4
+
+%inner_body (p: f32[2]) -> f32[2] {
+  %p = f32[2]{0} parameter(0)
+  ROOT %g = f32[2]{0} all-gather(%p), replica_groups=[2,2]<=[4], dimensions={0}, REMAT
+}
+
+%outer_body (p: f32[2]) -> f32[2] {
+  %p = f32[2]{0} parameter(0)
+  %c = f32[2]{0} collective-permute(%p), channel_id=1, source_target_pairs={{0,1},{1,0}}
+  ROOT %w = f32[2]{0} while(%c), condition=%cond, body=%inner_body
+}
+
+ENTRY %main (a: f32[2]) -> f32[2] {
+  %a = f32[2]{0} parameter(0)
+  ROOT %l = f32[2]{0} while(%a), condition=%cond, body=%outer_body, METADATA
+}
+""".replace(
+        "REMAT", 'metadata={op_name="jit(f)/transpose(jvp())/checkpoint/rematted_computation/x"}'
+    ).replace(
+        "METADATA",
+        'metadata={op_name="jit(f)/transpose(jvp())/while"}, '
+        'backend_config={"known_trip_count":{"n":"7"}}',
+    )
+    (loop,) = hlo.loops(text)
+    assert loop.direction == "backward" and loop.trip_count == 7
+    assert sorted(c.kind for c in loop.collectives) == ["all-gather", "collective-permute"]
+    assert hlo.loop_collective_counts(text) == {
+        "backward all-gather recomputed by remat": 1,
+        "backward collective-permute": 1,
+    }
+
+
+# ------------------------------------------------------------------ the gate
+
+
+def test_loop_body_minimum_is_one_rotation_each_way_and_nothing_without_a_loop():
+    for name in TINY_CONFIGS:
+        minimum = cost.loop_body_minimum(tiny(name))
+        for direction in cost.DIRECTIONS:
+            assert minimum[direction] == {
+                kind: int(kind == "collective-permute") for kind in hlo.COLLECTIVES
+            }
+    assert cost.loop_body_minimum(tiny("llama2-tiny", "scan_pipeline_iterations=false")) == {}
+    no_pipeline = tiny("llama2-tiny", "ici_pipeline_parallelism=1", "ici_data_parallelism=4")
+    assert cost.loop_body_minimum(no_pipeline) == {}
+
+
+@functools.cache
+def compile_result(name: str) -> checks.CheckResult:
+    return checks.compile_cost(checks.Session(tiny(name)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TINY_CONFIGS)
+def test_every_tiny_config_communicates_at_the_minimum(name):
+    result = compile_result(name)
+    assert result.passed, [r for r in result.details if not r["passed"]]
+    by_tensor = {r["tensor"]: r for r in result.details}
+    for direction in cost.DIRECTIONS:
+        rotation = by_tensor[f"loop body {direction}: collective-permute across stages"]
+        assert rotation["linen"] == rotation["nnx"] == rotation["minimum"] == 1
+        across = [t for t in by_tensor if t.startswith(f"loop body {direction}:") and "across" in t]
+        assert across == [f"loop body {direction}: collective-permute across stages"]
+    if tiny(name).pipeline_fsdp_ag_once:
+        assert by_tensor["loop body forward: all-gather over fsdp (ag-once)"]["nnx"] == 0
+    assert "loop body across stages fwd/bwd: collective-permute 1/1" in result.message
+
+
+def finished_output_broadcast_to_every_stage(monkeypatch):
+    """The finished microbatch written into every stage's row of the store (stage 0's row
+    broadcast), as a stage-replicated output buffer would: same values, one more collective
+    across stages per iteration."""
+    wrong = types.SimpleNamespace(**vars(nnx_pipeline.schedule))
+
+    def store_finished(cfg, store, rotated, iteration):
+        finished, finished_valid = schedule.last_stage_microbatch(cfg, iteration)
+        kept = store[:, finished]
+        return store.at[:, finished].set(jnp.where(finished_valid, rotated[0][None], kept))
+
+    wrong.store_finished = store_finished
+    monkeypatch.setattr(nnx_pipeline, "schedule", wrong)
+
+
+@pytest.mark.slow
+def test_an_extra_collective_in_the_loop_body_fails_the_compile_check(monkeypatch, tmp_path):
+    runs.clear_nnx_caches()
+    try:
+        finished_output_broadcast_to_every_stage(monkeypatch)
+        report = tmp_path / "report.json"
+        argv = cli.FLAGS(
+            ["parity", str(CONFIG_DIR / "llama2-tiny.yml"), "--checks=compile", f"--json={report}"]
+        )
+        try:
+            status = cli.run(argv)
+        finally:
+            cli.FLAGS.unparse_flags()
+    finally:
+        runs.clear_nnx_caches()
+    assert status == cli.EXIT_FAIL
+    (check,) = json.loads(report.read_text())["checks"]
+    assert check["worst"]["where"] == "loop body forward: all-reduce across stages"
+    failing = {d["tensor"]: d for d in check["details"] if not d["passed"]}
+    extra = failing["loop body forward: all-reduce across stages"]
+    assert (extra["linen"], extra["nnx"], extra["minimum"]) == (0, 1, 0)
+    assert extra["instructions"]["nnx"][0].startswith("all-reduce")
