@@ -20,7 +20,7 @@ from flax import nnx
 from migrate import convert, optim
 from migrate import sharding as sharding_lib
 from migrate.config import Config
-from parity import compare, distributed, drilldown, hlo, runs
+from parity import compare, distributed, drilldown, hlo, hlo_diff, init_check, runs
 from parity.data import synthetic_batch
 from parity.runs import Run
 
@@ -79,23 +79,39 @@ class Session:
             params = runs.linen_to_nnx_params(self.cfg, self.mesh, self.linen_variables)
             step, evaluate = runs.nnx_train_fns(self.cfg, self.mesh)
         opt_state = tx.init(params)
+        if framework == "linen":  # the same arguments as the sharding check's own step
+            return params, opt_state, self.own_train_step("linen"), evaluate
         return params, opt_state, step.lower(params, opt_state, self.batch).compile(), evaluate
 
     @functools.cache  # noqa: B019
-    def own_train_step(self, framework: str):
-        """The train step compiled for each twin's own initial weights (their own placement),
-        for the sharding check: it must not depend on the converter working."""
+    def own_lowered(self, framework: str):
+        """The train step lowered for each twin's own initial weights (their own placement):
+        the sharding and program checks must not depend on the converter working."""
+        tx = optim.make_optimizer(self.cfg)
         if framework == "linen":
-            return self.train_start("linen")[2]
-        step, _ = runs.nnx_train_fns(self.cfg, self.mesh)
-        params = self.nnx_params
-        opt_state = optim.make_optimizer(self.cfg).init(params)
-        return step.lower(params, opt_state, self.batch).compile()
+            params = self.linen_variables["params"]
+            step, _ = runs.linen_train_fns(self.cfg, self.mesh)
+        else:
+            params = self.nnx_params
+            step, _ = runs.nnx_train_fns(self.cfg, self.mesh)
+        return step.lower(params, tx.init(params), self.batch)
 
     @functools.cache  # noqa: B019
-    def run(self, framework: str, source: str, use_pipeline: bool | None = None) -> Run:
+    def own_train_step(self, framework: str):
+        """`own_lowered(framework)`, compiled."""
+        return self.own_lowered(framework).compile()
+
+    @functools.cache  # noqa: B019
+    def run(
+        self,
+        framework: str,
+        source: str,
+        use_pipeline: bool | None = None,
+        bubble_fill: float | None = None,
+    ) -> Run:
         """Forward+backward of one twin from `source` weights; reference runs get the weights
-        moved by the placement formula."""
+        moved by the placement formula. `bubble_fill` overrides the session's fill of the
+        pipeline buffers (the `bubbles` check poisons them with `BUBBLE_POISON`)."""
         linen_vars, nnx_params = self.weights(source)
         cfg, mesh = self.cfg, self.mesh
         reference = use_pipeline is False and cfg.using_pipeline
@@ -106,10 +122,16 @@ class Session:
             cfg = ref_cfg
             if framework == "nnx":
                 nnx_params = runs.linen_to_nnx_params(cfg, mesh, linen_vars, use_pipeline=False)
-        fill = 0.0 if reference else self.bubble_fill
+        fill = self.bubble_fill if bubble_fill is None else bubble_fill
+        fill = 0.0 if reference else fill
         if framework == "linen":
             return runs.run_linen(cfg, mesh, linen_vars, self.batch, use_pipeline, fill)
         return runs.run_nnx(cfg, mesh, nnx_params, self.batch, use_pipeline, fill)
+
+
+# The value the `bubbles` check fills every pipeline buffer slot with before any stage wrote it.
+# One object, so that cached runs and compiled steps keyed on it are found again (NaN != NaN).
+BUBBLE_POISON = float("nan")
 
 
 # ------------------------------------------------------------------ helpers
@@ -162,19 +184,31 @@ def vacuity_problems(run: Run, vocab_size: int) -> list[str]:
 
 
 def _result(
-    name: str, records: list[dict], tol: compare.Tolerance, problems: list[str] = ()
+    name: str,
+    records: list[dict],
+    tol: compare.Tolerance,
+    problems: list[str] = (),
+    worst_first: bool = False,
 ) -> CheckResult:
+    """The verdict over `records`. `where` names the first failing record in check order (the
+    step order of `train`, the data flow of `layers`) or, with `worst_first`, the failing
+    record with the largest error relative to its scale, the earliest in the decoder's data
+    flow among equals; when nothing fails, the worst record."""
     failing = [r for r in records if not r["passed"]]
-    # Name the first divergence in check order; if none, the worst leaf.
-    worst = failing[0] if failing else max(records, key=lambda r: r["max_rel"])
+    if failing and worst_first:
+        worst = min(failing, key=lambda r: (-r["max_rel"], drilldown.data_flow_rank(r["tensor"])))
+    else:
+        worst = failing[0] if failing else max(records, key=lambda r: r["max_rel"])
     passed = not failing and not problems
+    # A vacuous run (no failing record) is named by its first problem.
+    where = problems[0] if problems and not failing else worst["tensor"]
     return CheckResult(
         name=name,
         passed=passed,
         metric="max_rel",
         value=worst["max_rel"],
         tolerance=tol.max_rel,
-        where=worst["tensor"],
+        where=where,
         details=tuple(records),
         message="; ".join(problems) or tol.reason,
     )
@@ -255,7 +289,7 @@ def _framework_pair(session: Session, parts: tuple[str, ...], name: str) -> Chec
         linen_run, nnx_run = session.run("linen", source), session.run("nnx", source)
         named |= {f"linen ({source}-init)": linen_run, f"nnx ({source}-init)": nnx_run}
         records += compare_runs(f"{source}-init/", nnx_run, linen_run, tol, parts)
-    return _result(name, records, tol, _vacuity(cfg, named))
+    return _result(name, records, tol, _vacuity(cfg, named), worst_first=True)
 
 
 def forward(session: Session) -> CheckResult:
@@ -288,7 +322,111 @@ def pipeline(session: Session) -> CheckResult:
         reference = session.run(framework, "linen", use_pipeline=False)
         named |= {f"{framework} pipelined": pipelined, f"{framework} reference": reference}
         records += compare_runs(f"{framework}/", pipelined, reference, tol)
-    return _result("pipeline", records, tol, _vacuity(cfg, named))
+    return _result("pipeline", records, tol, _vacuity(cfg, named), worst_first=True)
+
+
+def init(session: Session) -> CheckResult:
+    """Linen's and NNX's own initialisations of the same config: per parameter the logical
+    names, shape and dtype exactly, and the distribution (mean, std, kurtosis, tail, zeros,
+    distinct stacked slices) within bounds derived from the element counts."""
+    records = init_check.init_records(session.linen_variables["params"], session.nnx_params)
+    failing = [r for r in records if not r["passed"]]
+    worst = failing[0] if failing else max(records, key=lambda r: r["max_rel"])
+    return CheckResult(
+        name="init",
+        passed=not failing,
+        metric=init_check.METRIC,
+        value=worst["max_rel"],
+        tolerance=1.0,
+        where=worst["tensor"],
+        details=tuple(records),
+        message=(
+            f"Linen {worst['linen']} vs NNX {worst['nnx']}"
+            if failing
+            else "same names, shapes, dtypes; every statistic within its bound "
+            f"({init_check.initstats.Z_BOUND:g} standard errors)"
+        ),
+    )
+
+
+def bubbles(session: Session) -> CheckResult:
+    """Both twins with NaN in every pipeline buffer slot that no stage has written yet:
+    logits, loss and every gradient bit-identical to the zero-filled run. Idle slots that
+    compute on unmasked buffers pass the forward (their outputs are discarded) but put NaN into
+    the weight gradients (NaN x 0 is NaN)."""
+    cfg = session.cfg
+    if not cfg.using_pipeline:
+        return CheckResult(
+            "bubbles",
+            True,
+            "max_rel",
+            0.0,
+            0.0,
+            "-",
+            message="config does not pipeline (S=1): no bubbles",
+        )
+    records = []
+    for framework in ("linen", "nnx"):
+        poisoned = session.run(framework, "linen", bubble_fill=BUBBLE_POISON)
+        clean = session.run(framework, "linen", bubble_fill=0.0)
+        for record in compare_runs(
+            f"{framework}/", poisoned, clean, compare.EXACT, ("logits", "loss", "grads")
+        ):
+            records.append(record | {"passed": record["passed"] and record["mismatches"] == 0})
+    result = _result("bubbles", records, compare.EXACT, worst_first=True)
+    note = (
+        "NaN-filled buffers: bit-identical to zero-filled"
+        if result.passed
+        else (
+            "NaN or a difference reached an output or gradient from an idle pipeline slot: "
+            "mask the stage input of idle slots, not only the discarded output"
+        )
+    )
+    return dataclasses.replace(result, message=note)
+
+
+def program(session: Session) -> CheckResult:
+    """The two twins' train steps, each lowered for its own weights, compared instruction by
+    instruction before and after XLA's optimisation: identical programs are the strongest
+    parity evidence; otherwise the first differing instruction is named on each side."""
+    records, summaries = [], []
+    for stage in ("pre-optimisation", "optimised"):
+        texts = []
+        for framework in ("linen", "nnx"):
+            if stage == "optimised":
+                texts.append(session.own_train_step(framework).as_text())
+            else:
+                texts.append(session.own_lowered(framework).as_text(dialect="hlo", debug_info=True))
+        found = hlo_diff.diff(hlo_diff.parse(texts[0]), hlo_diff.parse(texts[1]))
+        summaries.append(found.summary(f"{stage} HLO"))
+        records.append(
+            {
+                "tensor": f"{stage} HLO",
+                "passed": found.identical,
+                "max_rel": 0.0 if found.identical else 1.0,
+                "instructions": list(found.instructions),
+                "kind": found.kind,
+                "position": found.position,
+                "linen": [i.describe() for i in found.linen],
+                "nnx": [i.describe() for i in found.nnx],
+            }
+        )
+    failing = [r for r in records if not r["passed"]]
+    worst = failing[0] if failing else records[-1]
+    return CheckResult(
+        name="program",
+        passed=not failing,
+        metric="programs differ",
+        value=float(len(failing)),
+        tolerance=0.0,
+        where=(
+            f"{worst['tensor']}: {worst['kind']} at instruction {worst['position']}"
+            if failing
+            else "identical programs"
+        ),
+        details=tuple(records),
+        message="; ".join(summaries),
+    )
 
 
 def _linen_form(tree) -> Any:
@@ -748,10 +886,13 @@ def efficiency(session: Session) -> CheckResult:
 
 CHECKS: dict[str, Callable[[Session], CheckResult]] = {
     "roundtrip": roundtrip,
+    "init": init,
     "forward": forward,
     "grads": grads,
     "pipeline": pipeline,
+    "bubbles": bubbles,
     "sharding": sharding,
+    "program": program,
     "train": train,
     "layers": layers,
     "compile": compile_cost,

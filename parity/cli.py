@@ -26,10 +26,13 @@ from migrate.config import ConfigError, load_config
 
 CHECK_NAMES = (
     "roundtrip",
+    "init",
     "forward",
     "grads",
     "sharding",
+    "program",
     "pipeline",
+    "bubbles",
     "train",
     "layers",
     "compile",

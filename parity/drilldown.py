@@ -1,9 +1,11 @@
 """The `layers` check: where do the twins first part ways?
 
-Per layer (reference layout, full batch): every submodule output, captured with Linen's
-`capture_intermediates` and NNX's `nnx.capture(method_outputs=...)`, both sides fed the same
-layer input, so a bug shows in its own layer and nowhere after. For pipelined configs also the
-stage outputs after every pipeline iteration, naming the first iteration and stage that differ.
+The whole decoder in data-flow order (reference layout, full batch): the embedding, every
+submodule output of every layer (captured with Linen's `capture_intermediates` and NNX's
+`nnx.capture(method_outputs=...)`), the final norm, the logits head and the loss; each part
+fed Linen's input to it, so a bug shows in its own part and nowhere after. For pipelined
+configs also the stage outputs after every pipeline iteration, naming the first iteration and
+stage that differ.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from migrate import convert, schedule
+from migrate import axes, convert, schedule
 from migrate.config import Config
+from migrate.linen import decoder as linen_decoder
 from migrate.linen import layers as linen_layers
 from migrate.linen import pipeline as linen_pipeline
+from migrate.nnx import decoder as nnx_decoder
 from migrate.nnx import layers as nnx_layers
 from migrate.nnx import pipeline as nnx_pipeline
 from parity import compare, distributed
@@ -41,6 +45,23 @@ LAYER_ORDER = (
     "mlp",
     "output",
 )
+
+
+# The decoder's parameters and outputs in data-flow order (layers by their submodule order).
+_FLOW = ("token_embedder", "embedding", "pipeline", "layers", "decoder_norm", "logits_dense")
+
+
+def data_flow_rank(tensor: str) -> tuple[int, int]:
+    """Where a record's tensor (`linen-init/grads/params/pipeline/.../mlp/wo/kernel`, `logits`,
+    `loss`) sits in the decoder's data flow: earlier parts rank lower."""
+    parts = tensor.split("/")
+    if parts[-1] in ("logits", "loss") or tensor.endswith(("/logits", "/loss")):
+        return (len(_FLOW) + (parts[-1] == "loss"), 0)
+    first = next((i for i, name in enumerate(_FLOW) if name in parts), len(_FLOW))
+    padded = f"/{tensor}/"
+    matches = [name for name in LAYER_ORDER if f"/{name}/" in padded]
+    inner = LAYER_ORDER.index(max(matches, key=len)) if matches else len(LAYER_ORDER)
+    return (first, inner)
 
 
 def _normalise(path: tuple[str, ...]) -> str:
@@ -103,8 +124,86 @@ def _order_key(name: str) -> int:
     return LAYER_ORDER.index(name) if name in LAYER_ORDER else len(LAYER_ORDER)
 
 
+# The decoder outside its layers, in data-flow order: (record name, Linen params key).
+OUTER_PARTS = ("embedding", "decoder_norm", "logits_dense", "loss")
+
+
+def _linen_outer(cfg: Config, part: str):
+    if part == "embedding":
+        return linen_layers.Embed(cfg)
+    if part == "decoder_norm":
+        return linen_layers.RMSNorm(cfg)
+    return linen_layers.DenseGeneral(
+        (cfg.base_emb_dim,), (cfg.vocab_size,), axes.LOGITS_KERNEL, cfg
+    )
+
+
+def _nnx_outer(cfg: Config, part: str, rngs: nnx.Rngs):
+    if part == "embedding":
+        return nnx_layers.Embed(cfg, rngs=rngs)
+    if part == "decoder_norm":
+        return nnx_layers.RMSNorm(cfg, rngs=rngs)
+    return nnx_layers.DenseGeneral(
+        (cfg.base_emb_dim,), (cfg.vocab_size,), axes.LOGITS_KERNEL, cfg, rngs=rngs
+    )
+
+
+@functools.cache
+def _linen_outer_fn(cfg: Config, part: str):
+    if part == "loss":
+        return jax.jit(linen_decoder.cross_entropy_loss)
+    module = _linen_outer(cfg, part)
+    return jax.jit(lambda params, x: module.apply({"params": params}, x))
+
+
+@functools.cache
+def _nnx_outer_fn(cfg: Config, part: str, mode):
+    del mode
+    if part == "loss":
+        return jax.jit(nnx_decoder.cross_entropy_loss)
+    graphdef = _nnx_graphdef(lambda rngs: _nnx_outer(cfg, part, rngs))
+    return jax.jit(lambda params, x: nnx.merge(graphdef, params)(x))
+
+
+_PARAMS_KEY = {
+    "embedding": "token_embedder",
+    "decoder_norm": "decoder_norm",
+    "logits_dense": "logits_dense",
+}
+
+
+def _outer_record(
+    session, part: str, params, names, x, targets=None
+) -> tuple[Any, compare.LeafDiff]:
+    """One part of the decoder outside its layers, both sides fed Linen's input to it:
+    (Linen's output, the record)."""
+    from parity import runs
+
+    cfg = runs.compute_config(runs.schedule_free(session.cfg))
+    linen_fn = _linen_outer_fn(cfg, part)
+    nnx_fn = _nnx_outer_fn(cfg, part, runs.nnx_mode())
+    if part == "loss":
+        linen_out, nnx_out = linen_fn(x, targets), nnx_fn(x, targets)
+    else:
+        key = _PARAMS_KEY[part]
+        boxed = convert.restore_boxes(jax.tree.map(jnp.asarray, params[key]), names[key])
+        abstract = nnx.split(_abstract_outer(cfg, part))[1]
+        nnx_params = convert.linen_to_nnx({"params": boxed}, abstract, renames={})
+        linen_out = linen_fn(jax.tree.map(jnp.asarray, params[key]), x)
+        nnx_out = nnx_fn(nnx_params, x)
+    diff = compare.leaf_diff(part, nnx_out, linen_out)
+    return linen_out, diff
+
+
+def _abstract_outer(cfg: Config, part: str):
+    with nnx.use_eager_sharding(False):
+        return nnx.eval_shape(lambda: _nnx_outer(cfg, part, nnx.Rngs(0)))
+
+
 def layer_records(session, tol: compare.Tolerance) -> list[dict]:
-    """Per layer and submodule: NNX against Linen, both fed Linen's input to that layer."""
+    """The whole decoder in data-flow order, NNX against Linen, each part fed Linen's input to
+    it (so a bug shows in its own part and nowhere after): the embedding, every submodule of
+    every layer, the final norm, the logits head and the loss."""
     from parity import runs
 
     cfg, mesh = session.cfg, session.mesh
@@ -114,15 +213,16 @@ def layer_records(session, tol: compare.Tolerance) -> list[dict]:
         host = convert.linen_pipeline_to_reference(host, cfg)
     params, names = convert.strip_boxes(host["params"])
     tokens = session.batch["inputs"]
-    table = distributed.replicate(params["token_embedder"]["embedding"], mesh)
-    x = jnp.take(jnp.asarray(table), tokens, axis=0)
+    records = []
+    x, diff = _outer_record(session, "embedding", params, names, tokens)
+    records.append(_record(diff, tol))
+    x = distributed.replicate(x, mesh)
     positions = distributed.replicate(
         jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape), mesh
     )
     linen_fn = _linen_layer_fn(runs.compute_config(ref_cfg), mesh)
     nnx_fn = _nnx_layer_fn(runs.compute_config(ref_cfg), mesh, runs.nnx_mode())
     _, abstract_layer = nnx.split(nnx.eval_shape(lambda: _abstract_layer(ref_cfg, mesh)))
-    records = []
     for layer in range(cfg.base_num_decoder_layers):
         layer_params = jax.tree.map(lambda w, i=layer: w[i], params["layers"])
         layer_params = distributed.replicate(layer_params, mesh)
@@ -150,6 +250,13 @@ def layer_records(session, tol: compare.Tolerance) -> list[dict]:
             diff = compare.leaf_diff(f"layer {layer}/{name}", nnx_caps[name], linen_caps[name])
             records.append(_record(diff, tol) | {"layer": layer})
         x = linen_out
+    x, diff = _outer_record(session, "decoder_norm", params, names, x)
+    records.append(_record(diff, tol))
+    logits, diff = _outer_record(session, "logits_dense", params, names, x)
+    records.append(_record(diff, tol))
+    logits = jnp.asarray(logits, jnp.float32)
+    _, diff = _outer_record(session, "loss", params, names, logits, session.batch["targets"])
+    records.append(_record(diff, tol))
     return records
 
 

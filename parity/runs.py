@@ -223,6 +223,7 @@ def clear_nnx_caches() -> None:
         _nnx_train_fns,
         _nnx_initial_state,
         drilldown._nnx_layer_fn,
+        drilldown._nnx_outer_fn,
         drilldown._nnx_trace,
     ):
         cached.cache_clear()

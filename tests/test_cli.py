@@ -111,14 +111,25 @@ def test_full_parity_run_passes_on_every_tiny_config(name, tmp_path):
     assert data["version"] == report.JSON_SCHEMA_VERSION and data["passed"] is True
     assert data["config"] == name
     names = [c["name"] for c in data["checks"]]
-    assert names == ["roundtrip", "forward", "grads", "sharding", "pipeline", "train", "golden"]
+    assert names == [
+        "roundtrip",
+        "init",
+        "forward",
+        "grads",
+        "sharding",
+        "program",
+        "pipeline",
+        "bubbles",
+        "train",
+        "golden",
+    ]
     for check in data["checks"]:
         assert set(check["worst"]) == {"metric", "value", "tolerance", "where"}
         assert check["worst"]["value"] <= check["worst"]["tolerance"]
     train = next(c for c in data["checks"] if c["name"] == "train")
     assert [s["step"] for s in train["steps"]] == [0, 1, 2]
     suite = ET.parse(junit_path).getroot().find("testsuite")
-    assert suite.get("tests") == "7" and suite.get("failures") == "0"
+    assert suite.get("tests") == str(len(names)) and suite.get("failures") == "0"
     assert [c.get("name") for c in suite.findall("testcase")] == names
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "golden" / f"{name}.sharding.json").exists()

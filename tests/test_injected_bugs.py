@@ -166,6 +166,109 @@ def optimizer_skips_one_parameter(monkeypatch):
     monkeypatch.setattr(nnx_train, "make_train_step", make)
 
 
+def init_scale_wrong(monkeypatch):
+    """The MLP output kernel initialised with 1.5x Linen's standard deviation."""
+    original = nnx_layers.MLP.__init__
+
+    def init(self, config, mesh, *, rngs):
+        original(self, config, mesh, rngs=rngs)
+        kernel = self.wo.kernel
+        self.wo.kernel = nnx.Param(kernel[...] * 1.5, **kernel.get_metadata())
+
+    monkeypatch.setattr(nnx_layers.MLP, "__init__", init)
+
+
+def init_family_swapped(monkeypatch):
+    """Dense kernels drawn from a normal instead of a truncated normal (same variance)."""
+    wrong = types.SimpleNamespace(**vars(numerics))
+    wrong.kernel_init = lambda in_axis, out_axis: jax.nn.initializers.variance_scaling(
+        1.0, "fan_in", "normal", in_axis=in_axis, out_axis=out_axis
+    )
+    monkeypatch.setattr(nnx_layers, "numerics", wrong)
+
+
+def norm_scale_zeros(monkeypatch):
+    """RMSNorm scales initialised to zeros instead of ones."""
+    wrong = types.SimpleNamespace(**vars(numerics))
+    wrong.scale_init = jax.nn.initializers.zeros
+    monkeypatch.setattr(nnx_layers, "numerics", wrong)
+
+
+def stage_keys_reused(monkeypatch):
+    """Every pipeline stage created with the same key: the stages start as copies."""
+    original = nnx_pipeline.stack_modules
+
+    def stack_modules(create, count, axis_name, rngs):
+        module = original(create, count, axis_name, rngs)
+        if axis_name == axes.STAGE:
+            copies = jax.tree.map(
+                lambda v: jnp.broadcast_to(v[:1], v.shape), nnx.state(module, nnx.Param)
+            )
+            nnx.update(module, copies)
+        return module
+
+    monkeypatch.setattr(nnx_pipeline, "stack_modules", stack_modules)
+
+
+def bubbles_unmasked(monkeypatch):
+    """Idle pipeline slots no longer masked: every slot treated as valid."""
+    wrong = types.SimpleNamespace(**vars(nnx_pipeline.schedule))
+    real_stage_work = nnx_pipeline.schedule.stage_work
+
+    def every_slot_valid(cfg, iteration):
+        micro, repeat, _ = real_stage_work(cfg, iteration)
+        return micro, repeat, micro >= 0
+
+    wrong.stage_work = every_slot_valid
+    monkeypatch.setattr(nnx_pipeline, "schedule", wrong)
+
+
+def highest_precision_on_one_side(monkeypatch):
+    """NNX matmuls hard-coded to HIGHEST precision while the config says default."""
+    wrong = types.SimpleNamespace(**vars(numerics))
+    wrong.precision = lambda cfg: jax.lax.Precision.HIGHEST
+    monkeypatch.setattr(nnx_layers, "numerics", wrong)
+
+
+def mlp_constraint_dropped(monkeypatch):
+    """The MLP hidden activation's logical sharding constraint dropped on the NNX side."""
+    wrong = types.SimpleNamespace(**vars(nnx_layers.sharding))
+    real_constrain = nnx_layers.sharding.constrain
+    wrong.constrain = lambda x, names, mesh, rules: (
+        x if tuple(names) == axes.BATCH_LENGTH_MLP else real_constrain(x, names, mesh, rules)
+    )
+    monkeypatch.setattr(nnx_layers, "sharding", wrong)
+
+
+def remat_policy_changed(monkeypatch):
+    """The pipeline iterations rematerialised with 'save nothing' instead of the config's
+    policy (which saves the iteration and layer inputs)."""
+    wrong = types.SimpleNamespace(**vars(numerics))
+    wrong.remat_policy = lambda cfg: jax.checkpoint_policies.nothing_saveable
+    monkeypatch.setattr(nnx_pipeline, "numerics", wrong)
+
+
+def embedding_off_by_one(monkeypatch):
+    """The embedding looks up the next token's row."""
+
+    def call(self, tokens):
+        table = self.embedding[...]
+        shifted = (tokens + 1) % table.shape[0]
+        return jnp.take(table, shifted, axis=0).astype(numerics.activation_dtype(self.config))
+
+    monkeypatch.setattr(nnx_layers.Embed, "__call__", call)
+
+
+def attention_probabilities_in_bfloat16(monkeypatch):
+    """The attention softmax's probabilities rounded through bfloat16 on the NNX side."""
+    wrong = types.SimpleNamespace(
+        **{k: getattr(jax, k) for k in dir(jax) if not k.startswith("__")}
+    )
+    wrong.nn = types.SimpleNamespace(**vars(jax.nn))
+    wrong.nn.softmax = lambda x, axis=-1: jax.nn.softmax(x, axis=axis).astype(jnp.bfloat16)
+    monkeypatch.setattr(nnx_layers, "jax", wrong)
+
+
 # bug, checks to run, {failing check: text its `where` must contain}
 BUGS = [
     (
@@ -209,17 +312,46 @@ BUGS = [
         {"forward": "logits", "grads": "grads/params/", "layers": "layer 0/output"},
     ),
     (optimizer_skips_one_parameter, "forward,train", {"train": "step 0/params/decoder_norm/scale"}),
+    (init_scale_wrong, "init,forward", {"init": "mlp/wo/kernel: log std ratio"}),
+    (init_family_swapped, "init,forward", {"init": "logits_dense/kernel: kurtosis"}),
+    (
+        norm_scale_zeros,  # also a dead model from NNX's own weights: a vacuous forward
+        "init,forward",
+        {"init": "decoder_norm/scale: constant value", "forward": "nnx-init): logits are all zero"},
+    ),
+    (stage_keys_reused, "init,forward", {"init": "distinct stacked slices"}),
+    (bubbles_unmasked, "forward,grads,bubbles", {"bubbles": "nnx/grads/params/pipeline"}),
+    (
+        highest_precision_on_one_side,
+        "forward,grads,program",
+        {"program": "pre-optimisation HLO: replaced"},
+        ("matmul_precision=default",),
+    ),
+    (mlp_constraint_dropped, "forward,program", {"program": "pre-optimisation HLO: only in Linen"}),
+    (remat_policy_changed, "forward,grads,program", {"program": "pre-optimisation HLO"}),
+    (
+        embedding_off_by_one,
+        "forward,grads",
+        {"forward": "logits", "grads": "grads/params/", "layers": "embedding"},
+    ),
+    (
+        attention_probabilities_in_bfloat16,
+        "forward,program",
+        {
+            "forward": "logits",
+            "program": "pre-optimisation HLO",
+            "layers": "layer 0/self_attention",
+        },
+    ),
 ]
 
 
-@pytest.mark.parametrize(
-    ("inject", "selected", "expected"), BUGS, ids=[b[0].__name__ for b in BUGS]
-)
-def test_injected_bug_fails_the_gate_at_the_right_place(
-    inject, selected, expected, monkeypatch, fresh_nnx, tmp_path
-):
+@pytest.mark.parametrize("bug", BUGS, ids=[b[0].__name__ for b in BUGS])
+def test_injected_bug_fails_the_gate_at_the_right_place(bug, monkeypatch, fresh_nnx, tmp_path):
+    inject, selected, expected, *overrides = bug
     inject(monkeypatch)
-    status, report = run_cli(tmp_path, TINY, f"--checks={selected}", "--steps=2")
+    args = (*(overrides[0] if overrides else ()), f"--checks={selected}", "--steps=2")
+    status, report = run_cli(tmp_path, TINY, *args)
     assert status == cli.EXIT_FAIL
     where = failing(report)
     assert set(where) == set(expected), where
@@ -233,9 +365,12 @@ def test_no_false_alarms_for_seeds_0_to_4(seed, tmp_path):
     assert status == cli.EXIT_PASS, failing(report)
     assert {c["name"] for c in report["checks"]} == {
         "roundtrip",
+        "init",
         "forward",
         "grads",
         "sharding",
+        "program",
         "pipeline",
+        "bubbles",
         "train",
     }
