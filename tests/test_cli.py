@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import CONFIG_DIR, TINY_CONFIGS
 
+from migrate import devices
 from parity import cli, report
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,10 +70,13 @@ def test_simulated_devices_are_requested_before_jax(monkeypatch):
     monkeypatch.setitem(sys.modules, "jax", None)  # pretend JAX is not imported yet
     del sys.modules["jax"]
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=4")
-    cli.ensure_simulated_devices(16)
+    devices.ensure_simulated_devices(16)
     assert os.environ["XLA_FLAGS"] == ("--xla_cpu_foo=1 --xla_force_host_platform_device_count=16")
-    cli.ensure_simulated_devices(8)  # already enough: unchanged
+    devices.ensure_simulated_devices(8)  # already enough: unchanged
     assert os.environ["XLA_FLAGS"].endswith("=16")
+    with pytest.raises(devices.DeviceCountError, match="at most 512 simulated CPU devices"):
+        devices.ensure_simulated_devices(devices.MAX_SIMULATED_DEVICES + 1)
+    assert os.environ["XLA_FLAGS"].endswith("=16")  # unchanged
 
 
 def test_golden_diff_lists_per_key_differences():
