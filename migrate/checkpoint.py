@@ -857,7 +857,7 @@ def init_checkpoint(dst: str | Path, spec: Spec, force: bool = False) -> Outcome
         save(destination.staged(staging), spec, state)
         _check_and_publish(staging, dst, spec, force, {})
     except BaseException:
-        destination.discard(staging)
+        destination.discard(staging, settle=True)
         raise
     return outcome
 
@@ -911,6 +911,6 @@ def convert_checkpoint(
         del state
         found = _check_and_publish(staging, dst, tgt_spec, force, all_checks)
     except BaseException:
-        destination.discard(staging)
+        destination.discard(staging, settle=True)
         raise
     return dataclasses.replace(outcome, differences=found)

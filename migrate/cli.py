@@ -30,7 +30,7 @@ from typing import Any
 
 from absl import flags, logging
 
-from migrate import cli_support, destination
+from migrate import cli_support, destination, memory
 from migrate.config import Config, ConfigError, load_config, parse_overrides, with_changes
 from migrate.devices import ensure_simulated_devices
 from migrate.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_USAGE, BadInput
@@ -80,6 +80,12 @@ flags.DEFINE_boolean(
     flag_values=FLAGS,
 )
 flags.DEFINE_boolean(
+    "memory_check",
+    True,
+    "Refuse (exit 2) a checkpoint whose lower-bound memory estimate exceeds the available memory.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_boolean(
     "verbose", False, "Print the traceback of an internal error.", flag_values=FLAGS
 )
 
@@ -94,15 +100,21 @@ def progress(message: str) -> None:
     print(f"[migrate] {message}", file=sys.stderr, flush=True)
 
 
-def devices_needed(cfg: Config, changes: Mapping[str, Any], src: str | None) -> int:
-    """Devices of the destination's mesh, before JAX: the config, then the layout keys that the
-    source's `meta` records (read and validated: a missing, corrupt or edited meta is refused
-    here), then the `changes`, validated together as the command will build them."""
-    recorded = read_meta(src)["layout_keys"] if src is not None else {}
+def target_config(cfg: Config, changes: Mapping[str, Any], src: str | None) -> Config:
+    """The destination's config, before JAX: the config, then the layout keys that the source's
+    `meta` records (read and validated: a missing, corrupt or edited meta is refused here), then
+    the `changes`, validated together as the command will build them."""
+    if src is None:
+        return with_changes(cfg, changes)
     try:
-        return with_changes(cfg, {**recorded, **changes}).num_devices
+        return with_changes(cfg, {**read_meta(src)["layout_keys"], **changes})
     except ConfigError as e:
         raise ConfigError(f"the layout asked for is invalid: {e}") from None
+
+
+def devices_needed(cfg: Config, changes: Mapping[str, Any], src: str | None) -> int:
+    """Devices of the destination's mesh (`target_config`)."""
+    return target_config(cfg, changes, src).num_devices
 
 
 def _summary(outcome, src: str | None, dst: str) -> None:
@@ -181,7 +193,12 @@ def _run(argv: Sequence[str]) -> int:
     destination.check_destination(
         Path(src) if src is not None else None, Path(paths[-1]), FLAGS.force
     )
-    ensure_simulated_devices(devices_needed(cfg, changes, src))
+    target_cfg = target_config(cfg, changes, src)
+    if FLAGS.memory_check:
+        both = command == "convert" and (FLAGS.verify or FLAGS.verify_forward)
+        needed = memory.estimate(target_cfg, copies=2 if both else 1, gradients=False)
+        memory.check_fits(needed, what=f"{command} {paths[-1]}")
+    ensure_simulated_devices(target_cfg.num_devices)
 
     from migrate import checkpoint
     from migrate.convert import ConversionError
@@ -269,6 +286,8 @@ def main() -> None:
     sys.unraisablehook = _quiet_abandoned_reads
     return_freed_memory()
     verbose = lambda: FLAGS["verbose"].value or "--verbose" in sys.argv
+    if not verbose():
+        cli_support.quiet_library_tracebacks()
     cli_support.exit_now(cli_support.guarded("migrate", lambda: _main(sys.argv), verbose))
 
 

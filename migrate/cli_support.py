@@ -9,6 +9,7 @@ No JAX here.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import stat
@@ -61,6 +62,20 @@ def signals_deferred() -> Iterator[None]:
         signum = _pending[0]
         _pending.clear()
         raise Interrupted(signum)
+
+
+def quiet_library_tracebacks() -> None:
+    """Log records print as their one line, without a traceback (Orbax logs the errors of its
+    writer threads with theirs, through whatever handler the process has): every record is
+    made without `exc_info`. Not under --verbose."""
+    make_record = logging.getLogRecordFactory()
+
+    def without_traceback(*args, **kwargs) -> logging.LogRecord:
+        record = make_record(*args, **kwargs)
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return record
+
+    logging.setLogRecordFactory(without_traceback)
 
 
 def error_line(program: str, message: str, label: str = "error") -> int:

@@ -132,19 +132,13 @@ class Config:
     def __post_init__(self) -> None:
         out_of_bounds = _bound_violations(self)
         if out_of_bounds:  # nothing is derived from a value out of bounds
-            raise ConfigError(
-                f"config {_short(self.model_name)} is invalid:\n"
-                + "\n".join(f"  - {p}" for p in out_of_bounds)
-            )
+            raise _invalid(self.model_name, out_of_bounds)
         derived = _derive(self)
         for name, value in derived.items():
             object.__setattr__(self, name, value)
         problems = _violations(self)
         if problems:
-            raise ConfigError(
-                f"config {_short(self.model_name)} is invalid:\n"
-                + "\n".join(f"  - {p}" for p in problems)
-            )
+            raise _invalid(self.model_name, problems)
 
     @property
     def using_pipeline(self) -> bool:
@@ -183,6 +177,14 @@ def _short(value: Any, limit: int = 80) -> str:
     """`repr(value)`, cut to `limit` characters (a hostile value must not flood the message)."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}...({len(text) - limit} more)"
+
+
+def _invalid(model_name: str, problems: Sequence[str]) -> ConfigError:
+    """One problem on one line; several as a list."""
+    head = f"config {_short(model_name)} is invalid:"
+    if len(problems) == 1:
+        return ConfigError(f"{head} {problems[0]}")
+    return ConfigError(head + "".join(f"\n  - {p}" for p in problems))
 
 
 def _bound_violations(cfg: Config) -> list[str]:

@@ -9,10 +9,15 @@ Rules (docs/checkpoints.md, "Safety"):
 - A destination whose parent is a file or cannot be written is refused before any work.
 - The checkpoint is written to `STAGING/checkpoint`, STAGING being `.migrate-staging-<12 hex>`
   beside the destination (a short fixed name: any legal destination name fits) with an
-  `owner.json` that records the destination, the pid and its start time. The final move renames
-  an old destination to `STAGING/replaced`, the new checkpoint into place, then removes STAGING.
-- A staging directory whose owner is no longer running is stale: the next run for the same
-  destination removes it, first moving `replaced` back if the run died between the two renames.
+  `owner.json` that records the destination, the pid and its start time (it is made as
+  `.migrate-newborn-<12 hex>` and renamed once that file is written). The final move renames an
+  old destination to `STAGING/replaced`, the new checkpoint into place, then removes STAGING;
+  SIGINT and SIGTERM wait until both renames are done.
+- An error or a signal removes STAGING (again, until it stays gone: Orbax's writer threads may
+  outlive the interrupted save). A staging directory whose owner is no longer running is stale:
+  the next run for the same destination removes it, first moving `replaced` back if the run
+  died between the two renames; so are ownerless leftovers of ours (only pieces of a staged
+  checkpoint, or an empty newborn older than a minute).
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -32,10 +39,14 @@ from migrate.cli_support import signals_deferred, unwritable_reason
 from migrate.meta import CheckpointError
 
 STAGING_PREFIX = ".migrate-staging-"
+NEWBORN_PREFIX = ".migrate-newborn-"  # a staging directory until its owner file is written
+_OURS = re.compile(rf"({re.escape(STAGING_PREFIX)}|{re.escape(NEWBORN_PREFIX)})[0-9a-f]{{12}}")
+OWNERLESS_AFTER_S = 60.0
 OWNER_FILE = "owner.json"
 STAGED = "checkpoint"  # the new checkpoint inside a staging directory
 REPLACED = "replaced"  # the old destination, moved aside during the final move
 NAME_BYTES = 255  # the file-name limit of Linux file systems
+SETTLE_S = 0.5
 
 
 def _real(path: Path) -> Path:
@@ -106,24 +117,38 @@ def _read_owner(staging: Path) -> dict | None:
     return owner if isinstance(owner, dict) else None
 
 
+def _stale(staging: Path, dst: Path) -> bool:
+    """Whether `staging` (one of ours by its name) is left over and may go."""
+    owner = _read_owner(staging)
+    if owner is not None:
+        return owner.get("destination") == str(dst) and not _owner_alive(owner)
+    entries = list(staging.iterdir())
+    if staging.name.startswith(STAGING_PREFIX):
+        # Orbax's writer threads wrote on after an interrupted run removed it: nothing but
+        # pieces of the staged checkpoint.
+        return all(p.name.startswith(STAGED) for p in entries)
+    # Killed between creating it and writing its owner file (a live run takes microseconds).
+    return not entries and time.time() - staging.stat().st_mtime > OWNERLESS_AFTER_S
+
+
 def remove_stale(dst: Path) -> list[Path]:
     """Remove the staging directories of `dst` whose owner process has ended (restoring an old
-    destination a killed run had moved aside); returns them. Others' are left alone."""
+    destination a killed run had moved aside), and ownerless leftovers; returns them. Those
+    of live runs and of other destinations are left alone."""
     dst = dst.absolute()
     removed = []
     try:
-        candidates = sorted(dst.parent.glob(f"{STAGING_PREFIX}*")) if dst.parent.is_dir() else []
+        names = os.listdir(dst.parent) if dst.parent.is_dir() else []
     except OSError:
-        candidates = []
-    for staging in candidates:
-        if staging.is_symlink() or not staging.is_dir():
+        names = []
+    for name in sorted(names):
+        staging = dst.parent / name
+        if not _OURS.fullmatch(name) or staging.is_symlink() or not staging.is_dir():
             continue
-        owner = _read_owner(staging)
-        if owner is None:
-            with contextlib.suppress(OSError):
-                staging.rmdir()  # only when empty: killed between mkdir and its owner file
-            continue
-        if owner.get("destination") != str(dst) or _owner_alive(owner):
+        try:
+            if not _stale(staging, dst):
+                continue
+        except OSError:
             continue
         with signals_deferred():
             replaced = staging / REPLACED
@@ -136,16 +161,19 @@ def remove_stale(dst: Path) -> list[Path]:
 
 def stage(dst: Path) -> Path:
     """A new staging directory for `dst` (stale ones removed first); write the checkpoint to
-    `staged(staging)`."""
+    `staged(staging)`. It appears under its name with its owner file already in it."""
     dst = dst.absolute()
     dst.parent.mkdir(parents=True, exist_ok=True)
     for stale in remove_stale(dst):
         print(f"[migrate] removed {stale}, left by a run that was killed", file=sys.stderr)
-    staging = dst.parent / f"{STAGING_PREFIX}{uuid.uuid4().hex[:12]}"
-    staging.mkdir()
+    token = uuid.uuid4().hex[:12]
+    newborn = dst.parent / f"{NEWBORN_PREFIX}{token}"
+    newborn.mkdir()
     me = psutil.Process()
     owner = {"destination": str(dst), "pid": me.pid, "started": me.create_time()}
-    (staging / OWNER_FILE).write_text(json.dumps(owner) + "\n")
+    (newborn / OWNER_FILE).write_text(json.dumps(owner) + "\n")
+    staging = dst.parent / f"{STAGING_PREFIX}{token}"
+    newborn.rename(staging)
     return staging
 
 
@@ -154,9 +182,20 @@ def staged(staging: Path) -> Path:
     return staging / STAGED
 
 
-def discard(staging: Path) -> None:
-    """Remove `staging` and everything in it (it is ours: `stage` made it)."""
+def discard(staging: Path, settle: bool = False) -> None:
+    """Remove `staging` and everything in it (it is ours: `stage` made it). With `settle`
+    (after an error or a signal during a save), remove it again until it stays gone for
+    `SETTLE_S`: Orbax's writer threads may still create files in it after it was removed."""
     shutil.rmtree(staging, ignore_errors=True)
+    gone_since = time.monotonic()
+    deadline = gone_since + 10 * SETTLE_S
+    while settle and time.monotonic() < deadline:
+        time.sleep(SETTLE_S / 5)
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+            gone_since = time.monotonic()
+        elif time.monotonic() - gone_since >= SETTLE_S:
+            return
 
 
 def publish(staging: Path, dst: Path, force: bool) -> None:

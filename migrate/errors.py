@@ -13,6 +13,8 @@ failure). No JAX here: the classification runs before, without and after JAX ali
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 
 EXIT_PASS = 0
@@ -71,9 +73,23 @@ def out_of_memory(error: BaseException) -> bool:
     return False
 
 
+_TENSORSTORE_OS_ERROR = re.compile(r"(?P<what>[^:\[]*)\[os_error_code='(?P<code>\d+)'\]")
+
+
 def os_error(error: BaseException) -> OSError | None:
-    """The OSError behind `error` (disk full, permission denied, a symlink loop), if any."""
-    return next((e for e in _chain(error) if isinstance(e, OSError)), None)
+    """The OSError behind `error` (disk full, permission denied, a symlink loop), if any; also
+    one that TensorStore (under Orbax) reports as text: `...: No space left on device
+    [os_error_code='28']`."""
+    for e in _chain(error):
+        if isinstance(e, OSError):
+            return e
+        found = _TENSORSTORE_OS_ERROR.search(str(e)[:5000])
+        if found:
+            code = int(found.group("code"))
+            path = re.search(r'Failed writing: "([^"]+)"|at local file "([^"]+)"', str(e))
+            where = next((g for g in path.groups() if g), None) if path else None
+            return OSError(code, os.strerror(code), where)
+    return None
 
 
 def describe_os_error(error: OSError) -> str:
@@ -92,11 +108,13 @@ def classify(error: BaseException) -> tuple[int, str, str]:
     if isinstance(error, BadInput):
         return EXIT_USAGE, "error", shorten(str(error))
     if out_of_memory(error):
+        detail = shorten(_first_line(error), 500)
         return (
             EXIT_USAGE,
             "error",
-            "out of memory: the config needs more memory than this machine has "
-            f"({shorten(_first_line(error), 500)}); use smaller sizes or fewer devices",
+            "out of memory: the config needs more memory than this machine has"
+            + (f" ({detail})" if detail else "")
+            + "; use smaller sizes or fewer devices",
         )
     os_problem = os_error(error)
     if os_problem is not None:

@@ -7,7 +7,9 @@ The bound counts only what certainly exists at once, each array once (no replica
   wi_0/wi_1/wo and two norms, final norm, logits kernel) in `weight_dtype`;
 - `optimizer`: AdamW's two moments (the parameters' dtype, as optax keeps them);
 - `gradients`: one gradient per parameter;
-- `activations`: the float32 logits of one step and the embedded tokens.
+- `activations`: the float32 logits of one step and the embedded tokens, and one layer's
+  float32 attention scores and MLP activations for the rows it runs at once (the pipeline: a
+  microbatch in each of the S stages; otherwise the whole batch).
 
 `parity` holds both twins at once (`copies=2`); a checkpoint command one state (`copies=1`,
 2 with `--verify`). Measured, the harness holds far more than this bound (weights replicated
@@ -71,8 +73,13 @@ def gib(count: float) -> str:
 def estimate(cfg: Config, copies: int = 2, gradients: bool = True) -> MemoryEstimate:
     """The lower bound for `cfg` with `copies` models (parameters + optimizer state) at once."""
     parameters = parameter_count(cfg) * DTYPE_BYTES[cfg.weight_dtype]
-    tokens = cfg.global_batch_size * cfg.max_target_length
-    activations = tokens * (4 * cfg.vocab_size + DTYPE_BYTES[cfg.dtype] * cfg.base_emb_dim)
+    length, act_bytes = cfg.max_target_length, DTYPE_BYTES[cfg.dtype]
+    tokens = cfg.global_batch_size * length
+    rows = cfg.microbatch_size * cfg.num_stages if cfg.using_pipeline else cfg.global_batch_size
+    one_layer = (
+        rows * length * (4 * cfg.base_num_query_heads * length + act_bytes * cfg.base_mlp_dim)
+    )
+    activations = tokens * (4 * cfg.vocab_size + act_bytes * cfg.base_emb_dim) + one_layer
     return MemoryEstimate(
         parameters=parameters,
         optimizer=2 * parameters,

@@ -75,6 +75,19 @@ def _int_in(x: Any, low: int, high: int) -> bool:
     return _is_int(x) and low <= x <= high
 
 
+def _key_problem(where: str, key: str, value: Any) -> str | None:
+    """A recorded config key's value against the config's own type and bounds."""
+    if key == "scan_layers_per_stage":
+        return None if isinstance(value, bool) else f"{where}: expected true or false"
+    if key == "weight_dtype":
+        return None if value in DTYPES else f"{where}: expected one of {', '.join(DTYPES)}"
+    low, high = INT_BOUNDS[key]
+    if _int_in(value, low, high) and value != 0:
+        return None
+    allowed = f"-1 or 1..{high}" if low == -1 else f"{low}..{high}"
+    return f"{where}={str(value)[:40]}: expected an integer in {allowed}"
+
+
 def _array_problems(key: Any, record: Any) -> list[str]:
     if not isinstance(key, str) or not isinstance(record, dict):
         return [f"arrays: entry {str(key)[:100]!r} is not a name -> record"]
@@ -124,13 +137,7 @@ def problems(meta: Any) -> list[str]:
         out.append(f"layout_keys: expected exactly {', '.join(LAYOUT_KEYS)}")
     else:
         for key in LAYOUT_KEYS:
-            value = layout[key]
-            if key == "scan_layers_per_stage":
-                ok = isinstance(value, bool)
-            else:
-                ok = _int_in(value, *INT_BOUNDS[key]) and value != 0
-            if not ok:
-                out.append(f"layout_keys.{key}={str(value)[:40]}: out of type or bounds")
+            out.append(_key_problem(f"layout_keys.{key}", key, layout[key]))
     stages = meta["stages"]
     if not (
         isinstance(stages, dict)
@@ -143,13 +150,8 @@ def problems(meta: Any) -> list[str]:
         out.append(f"model: expected exactly {', '.join(MODEL_KEYS)}")
     else:
         for key in MODEL_KEYS:
-            ok = (
-                model[key] in DTYPES
-                if key == "weight_dtype"
-                else _int_in(model[key], *INT_BOUNDS[key])
-            )
-            if not ok:
-                out.append(f"model.{key}={str(model[key])[:40]}: out of type or bounds")
+            out.append(_key_problem(f"model.{key}", key, model[key]))
+    out = [p for p in out if p is not None]
     arrays = meta["arrays"]
     if not isinstance(arrays, dict) or not 0 < len(arrays) <= MAX_ARRAYS:
         out.append(f"arrays: expected a mapping of 1 to {MAX_ARRAYS} arrays")

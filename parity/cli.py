@@ -3,7 +3,7 @@
     parity CONFIG [key=value ...] [--checks=a,b] [--steps=N] [--json=PATH] [--junit=PATH]
                   [--plot=PATH] [--golden=DIR] [--update_golden] [--nomemory_check] [--verbose]
                   [--num_processes=N [--timeout_s=S] | --coordinator_address=H:P --process_id=I]
-                  [--init_timeout_s=S]
+                  [--init_timeout_s=S] [--dry_run]
 
 Exit status (`migrate.errors`; the largest applies): 0 every check passed; 1 a check failed; 2
 bad input (usage, config, an output path, too little memory; a message, no traceback), also
@@ -68,7 +68,8 @@ flags.DEFINE_string(
     "golden",
     None,
     "Directory of golden sharding reports: compare with "
-    "<DIR>/<model_name>.sharding.json (written when missing).",
+    "<DIR>/<model_name>.sharding.json (written when missing; the model name made a safe file "
+    "name).",
 )
 flags.DEFINE_boolean("update_golden", False, "Rewrite the golden sharding report.")
 flags.DEFINE_string(
@@ -115,6 +116,12 @@ flags.DEFINE_boolean(
     "Refuse (exit 2) a config whose lower-bound memory estimate exceeds the available memory.",
 )
 flags.DEFINE_boolean("verbose", False, "Print the traceback of an internal error.")
+flags.DEFINE_boolean(
+    "dry_run",
+    False,
+    "Validate the config, flags, output paths and memory estimate, print the plan, and exit 0 "
+    "without starting JAX or running a check.",
+)
 # The flags a launcher hands on to its workers (when given on its command line).
 WORKER_FLAGS = (
     "checks",
@@ -146,12 +153,18 @@ class StepProgress:
     """`on_step` of the train check: prints the first steps, then at most every `every_s`
     seconds, the last step, and every diverged step."""
 
-    def __init__(self, steps: int, first: int = 3, every_s: float = 10.0) -> None:
-        self.steps, self.first, self.every_s = steps, first, every_s
-        self.last_print = time.monotonic()
+    def __init__(
+        self,
+        steps: int,
+        first: int = 3,
+        every_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.steps, self.first, self.every_s, self.clock = steps, first, every_s, clock
+        self.last_print = clock()
 
     def __call__(self, step: int, passed: bool) -> None:
-        now = time.monotonic()
+        now = self.clock()
         due = step < self.first or step + 1 == self.steps or now - self.last_print >= self.every_s
         if due or not passed:
             self.last_print = now
@@ -166,6 +179,14 @@ def _select_checks() -> list[str] | str:
     if unknown:
         return f"unknown checks {unknown}; known: {', '.join(CHECK_NAMES)}"
     return selected
+
+
+def _plan(cfg: Config, selected: Sequence[str]) -> str:
+    return (
+        f"{cfg.model_name}: {cfg.num_devices} devices in {FLAGS.num_processes} process(es), "
+        f"S={cfg.num_stages} M={cfg.num_microbatches} R={cfg.num_repeats} "
+        f"L={cfg.layers_per_stage}; checks: {', '.join(selected)}"
+    )
 
 
 def _check_processes(cfg: Config) -> None:
@@ -261,6 +282,9 @@ def _run(argv: Sequence[str]) -> int:
     reports = FLAGS.process_id in (None, 0)  # only process 0 writes reports
     outputs = Outputs(cfg.model_name) if reports else None
     _check_work(cfg, selected)
+    if FLAGS.dry_run:
+        print(f"{_plan(cfg, selected)}; memory {memory.estimate(cfg).describe()}")
+        return EXIT_PASS
     if processes > 1 and FLAGS.process_id is None:
         from parity import launch  # the local launcher never imports JAX
 
@@ -283,12 +307,7 @@ def _run(argv: Sequence[str]) -> int:
     from parity import checks, report
 
     session = checks.Session(cfg)
-    progress(
-        f"{cfg.model_name}: {cfg.num_devices} devices in {processes} process(es), "
-        f"S={cfg.num_stages} "
-        f"M={cfg.num_microbatches} R={cfg.num_repeats} L={cfg.layers_per_stage}; "
-        f"checks: {', '.join(selected)}"
-    )
+    progress(_plan(cfg, selected))
     results, durations = [], []
 
     def run_check(name: str, check: Callable[[], Any]) -> None:
@@ -382,6 +401,8 @@ def main() -> None:
     def entry(argv: Sequence[str]) -> None:
         logging.set_verbosity(logging.WARNING)
         verbose = lambda: FLAGS["verbose"].value
+        if not verbose():
+            cli_support.quiet_library_tracebacks()
         cli_support.exit_now(cli_support.guarded("parity", lambda: run(argv), verbose))
 
     app.run(entry, flags_parser=_parse_flags)
