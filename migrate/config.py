@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import difflib
 import math
+import reprlib
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -173,9 +174,15 @@ _SETTABLE = {f.name: f for f in dataclasses.fields(Config) if f.init}
 _FLOAT_KEYS = tuple(k for k, f in _SETTABLE.items() if f.type in (float, "float"))
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict = 3, 6, 6, 6
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 80
+
+
 def _short(value: Any, limit: int = 80) -> str:
-    """`repr(value)`, cut to `limit` characters (a hostile value must not flood the message)."""
-    text = repr(value)
+    """`repr(value)`, cut to about `limit` characters without building the whole of it first
+    (a hostile value, such as an alias-expanded list, must not flood the message or hang)."""
+    text = _REPR.repr(value)
     return text if len(text) <= limit else f"{text[:limit]}...({len(text) - limit} more)"
 
 

@@ -24,6 +24,7 @@ from parity import checks, cli, launch, report
 
 # ------------------------------------------------------------------ config values
 
+STAGES_1024 = ("ici_pipeline_parallelism=1024", "base_num_decoder_layers=1024")
 # (id, overrides, fragments of the one error line)
 BAD_VALUES = [
     ("huge-dim", ["base_emb_dim=1099511627776"], ["base_emb_dim=1099511627776", "1..65536"]),
@@ -41,8 +42,7 @@ BAD_VALUES = [
     ),
     (
         "too-many-simulated-devices",
-        ["ici_pipeline_parallelism=1024", "base_num_decoder_layers=1024"]
-        + ["num_pipeline_repeats=1", "num_pipeline_microbatches=-1"],
+        [*STAGES_1024, "num_pipeline_repeats=1", "num_pipeline_microbatches=-1"],
         ["needs 2048 devices", "at most 512 simulated CPU devices"],
     ),
     (
