@@ -111,6 +111,8 @@ def test_full_parity_run_passes_on_every_tiny_config(name, tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "PASS" in result.stdout and "FAIL" not in result.stdout
+    for step in (1, 2, 3):  # the train check reports every step (3 are the first few)
+        assert f"[parity] train step {step}/3: ok" in result.stderr
     data = json.loads(json_path.read_text())
     assert data["version"] == report.JSON_SCHEMA_VERSION and data["passed"] is True
     assert data["config"] == name
