@@ -19,7 +19,15 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from migrate.errors import EXIT_USAGE, BadInput, Interrupted, classify, describe_os_error
+from migrate.errors import (
+    EXIT_INTERNAL,
+    EXIT_USAGE,
+    EXIT_WORKER,
+    BadInput,
+    Interrupted,
+    classify,
+    describe_os_error,
+)
 
 _deferring = 0  # > 0 inside `signals_deferred()`
 _pending: list[int] = []  # signals that arrived while deferred
@@ -101,11 +109,13 @@ def guarded(program: str, body: Callable[[], int], verbose: Callable[[], bool]) 
             return status
 
 
-def exit_now(status: int) -> None:
+def exit_now(status: int, distributed: bool = False) -> None:
     """Exit with `status`. After an internal error, a lost worker or an interrupt, threads that
-    JAX, Orbax or the distributed runtime left running must not hold the process (or hang it
-    in their shutdown): flush and leave at once. Otherwise a normal exit."""
-    if status >= 3 and "jax" in sys.modules:
+    JAX, Orbax or the distributed runtime left running must not hold the process (or hang it in
+    their shutdown): flush and leave at once. Otherwise a normal exit; so too after an internal
+    error in a multi-process run (`distributed`), whose peers leave the runtime together."""
+    prompt = status == EXIT_WORKER or status >= 128 or (status == EXIT_INTERNAL and not distributed)
+    if prompt and "jax" in sys.modules:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()

@@ -279,9 +279,9 @@ def _run(argv: Sequence[str]) -> int:
         return usage_error(selected)
     _check_processes(cfg)
     processes = FLAGS.num_processes
-    reports = FLAGS.process_id in (None, 0)  # only process 0 writes reports
-    outputs = Outputs(cfg.model_name) if reports else None
     _check_work(cfg, selected)
+    reports = FLAGS.process_id in (None, 0)  # only process 0 writes reports
+    outputs = Outputs(cfg.model_name) if reports else None  # creates missing report folders
     if FLAGS.dry_run:
         print(f"{_plan(cfg, selected)}; memory {memory.estimate(cfg).describe()}")
         return EXIT_PASS
@@ -403,7 +403,8 @@ def main() -> None:
         verbose = lambda: FLAGS["verbose"].value
         if not verbose():
             cli_support.quiet_library_tracebacks()
-        cli_support.exit_now(cli_support.guarded("parity", lambda: run(argv), verbose))
+        status = cli_support.guarded("parity", lambda: run(argv), verbose)
+        cli_support.exit_now(status, distributed=FLAGS["process_id"].value is not None)
 
     app.run(entry, flags_parser=_parse_flags)
 
