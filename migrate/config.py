@@ -3,8 +3,8 @@
 Key names follow MaxText. Derived values (S, M, R, L, microbatch size, iteration count, bubble
 fraction) are computed once, in `Config.__post_init__`, and every invalid combination is refused
 with a `ConfigError` naming the keys, their values and the rule they break. Every size is held
-to a sane bound (`INT_BOUNDS`) and every float must be finite *before* anything is derived from
-them, so that no hostile value reaches JAX, a loop or an allocation. YAML is read through
+to a sane bound (`migrate.bounds`) and every float must be finite *before* anything is derived
+from them, so that no hostile value reaches JAX, a loop or an allocation. YAML is read through
 `migrate.safe_load` (bounded: no alias bombs, no deep nesting).
 """
 
@@ -14,13 +14,12 @@ import contextlib
 import dataclasses
 import difflib
 import math
-import reprlib
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from migrate import safe_load
+from migrate import bounds, safe_load
 from migrate.errors import BadInput
 
 MESH_AXES: tuple[str, ...] = ("data", "stage", "fsdp", "tensor")
@@ -31,37 +30,6 @@ PRNG_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
-# Inclusive bounds of every integer key: far above real llama-style models (7B: E=4096,
-# F=11008, N=32, V=32000; the largest MaxText meshes), far below sizes whose arithmetic alone
-# would overflow, hang or allocate without end. Checked before anything is derived.
-INT_BOUNDS: dict[str, tuple[int, int]] = {
-    "seed": (0, 2**32 - 1),
-    "base_emb_dim": (1, 2**16),
-    "base_num_query_heads": (1, 2**10),
-    "base_num_kv_heads": (1, 2**10),
-    "head_dim": (1, 2**12),
-    "base_mlp_dim": (1, 2**18),
-    "base_num_decoder_layers": (1, 2**10),
-    "vocab_size": (1, 2**21),
-    "max_target_length": (1, 2**20),
-    "dcn_pipeline_parallelism": (1, 2**10),
-    "num_pipeline_microbatches": (-1, 2**12),  # -1: S (2S with delay); 0 is refused below
-    "num_layers_per_pipeline_stage": (1, 2**10),
-    "num_pipeline_repeats": (-1, 2**10),  # -1: N / (S*L); 0 is refused below
-    "ici_data_parallelism": (1, 2**12),
-    "ici_fsdp_parallelism": (1, 2**12),
-    "ici_tensor_parallelism": (1, 2**12),
-    "ici_pipeline_parallelism": (1, 2**12),
-}
-MAX_PER_DEVICE_BATCH = 2**16
-MAX_DEVICES = 2**16  # the whole mesh
-MAX_ITERATIONS = 2**12  # pipeline iterations M*R + d*(S-1) of one step
-# Layer applications traced as Python code (not a scan) in one program: with
-# scan_pipeline_iterations=false every iteration is traced, with scan_layers_per_stage=false
-# every layer of a stage. The program (and its compile time) grows with this count.
-MAX_UNROLLED_LAYERS = 512
-MAX_MODEL_NAME = 128
-MAX_RULES = 256
 MAX_CONFIG_BYTES = 1 << 20
 
 
@@ -131,7 +99,7 @@ class Config:
     bubble_fraction: float = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        out_of_bounds = _bound_violations(self)
+        out_of_bounds = bounds.value_violations(self)
         if out_of_bounds:  # nothing is derived from a value out of bounds
             raise _invalid(self.model_name, out_of_bounds)
         derived = _derive(self)
@@ -171,19 +139,7 @@ class Config:
 
 
 _SETTABLE = {f.name: f for f in dataclasses.fields(Config) if f.init}
-_FLOAT_KEYS = tuple(k for k, f in _SETTABLE.items() if f.type in (float, "float"))
-
-
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict = 3, 6, 6, 6
-_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 80
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    """`repr(value)`, cut to about `limit` characters without building the whole of it first
-    (a hostile value, such as an alias-expanded list, must not flood the message or hang)."""
-    text = _REPR.repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}...({len(text) - limit} more)"
+_short = bounds.short_repr
 
 
 def _invalid(model_name: str, problems: Sequence[str]) -> ConfigError:
@@ -192,33 +148,6 @@ def _invalid(model_name: str, problems: Sequence[str]) -> ConfigError:
     if len(problems) == 1:
         return ConfigError(f"{head} {problems[0]}")
     return ConfigError(head + "".join(f"\n  - {p}" for p in problems))
-
-
-def _bound_violations(cfg: Config) -> list[str]:
-    """Integers outside `INT_BOUNDS`, floats that are not finite or too large."""
-    out = []
-    for key, (low, high) in INT_BOUNDS.items():
-        value = getattr(cfg, key)
-        if low <= value <= high:
-            continue
-        if low == 1 and value < 1:
-            out.append(f"{key}={value}: must be a positive integer")
-        elif low == -1:
-            out.append(f"{key}={_short(value)}: must be -1 or an integer in 1..{high}")
-        else:
-            out.append(f"{key}={_short(value)}: must be an integer in {low}..{high}")
-    for key in _FLOAT_KEYS:
-        value = getattr(cfg, key)
-        if not math.isfinite(value):
-            out.append(f"{key}={value}: must be a finite number")
-    if math.isfinite(cfg.per_device_batch_size) and cfg.per_device_batch_size > (
-        MAX_PER_DEVICE_BATCH
-    ):
-        out.append(
-            f"per_device_batch_size={cfg.per_device_batch_size}: must be at most "
-            f"{MAX_PER_DEVICE_BATCH}"
-        )
-    return out
 
 
 def _derive(cfg: Config) -> dict[str, Any]:
@@ -259,15 +188,7 @@ def _violations(cfg: Config) -> list[str]:
         if not ok:
             out.append(message)
 
-    need(
-        0 < len(cfg.model_name) <= MAX_MODEL_NAME and cfg.model_name.isprintable(),
-        f"model_name={_short(cfg.model_name)}: must be 1 to {MAX_MODEL_NAME} printable characters",
-    )
-    need(
-        cfg.num_devices <= MAX_DEVICES,
-        f"the mesh (data x stage x fsdp x tensor = {cfg.num_devices} devices): at most "
-        f"{MAX_DEVICES} devices",
-    )
+    out.extend(bounds.derived_violations(cfg))
     for key, allowed in (
         ("dtype", DTYPES),
         ("weight_dtype", DTYPES),
@@ -331,11 +252,7 @@ def _violations(cfg: Config) -> list[str]:
             "the batch must be divisible by data x fsdp",
         )
 
-    need(
-        len(cfg.logical_axis_rules) <= MAX_RULES,
-        f"logical_axis_rules: {len(cfg.logical_axis_rules)} rules; at most {MAX_RULES}",
-    )
-    for rule_name, target in cfg.logical_axis_rules[:MAX_RULES]:
+    for rule_name, target in cfg.logical_axis_rules[: bounds.MAX_RULES]:
         axes = target if isinstance(target, tuple) else (target,)
         for axis in axes:
             need(
@@ -356,12 +273,6 @@ def _violations(cfg: Config) -> list[str]:
     return out
 
 
-def unrolled_layers(cfg: Config) -> int:
-    """Layer applications traced as Python code in one pipelined program (1 when scanned)."""
-    iterations = 1 if cfg.scan_pipeline_iterations else cfg.num_iterations
-    return iterations * (1 if cfg.scan_layers_per_stage else cfg.layers_per_stage)
-
-
 def _pipeline_violations(cfg: Config) -> list[str]:
     out: list[str] = []
     s, m, r, n_layers = cfg.num_stages, cfg.num_microbatches, cfg.num_repeats, cfg.layers_per_stage
@@ -370,21 +281,7 @@ def _pipeline_violations(cfg: Config) -> list[str]:
         f"S={s} (ici_pipeline_parallelism={cfg.ici_pipeline_parallelism} x "
         f"dcn_pipeline_parallelism={cfg.dcn_pipeline_parallelism})"
     )
-    if cfg.num_iterations > MAX_ITERATIONS:
-        out.append(
-            f"num_pipeline_microbatches={cfg.num_pipeline_microbatches} (M={m}), "
-            f"num_pipeline_repeats={cfg.num_pipeline_repeats} (R={r}), {stages_txt}: "
-            f"{cfg.num_iterations} pipeline iterations per step (M*R + d*(S-1)); at most "
-            f"{MAX_ITERATIONS}"
-        )
-    elif unrolled_layers(cfg) > MAX_UNROLLED_LAYERS:
-        out.append(
-            f"scan_pipeline_iterations={str(cfg.scan_pipeline_iterations).lower()}, "
-            f"scan_layers_per_stage={str(cfg.scan_layers_per_stage).lower()}: "
-            f"{unrolled_layers(cfg)} layer applications traced unrolled (iterations "
-            f"{cfg.num_iterations} x L={n_layers} where not scanned); at most "
-            f"{MAX_UNROLLED_LAYERS}: scan them"
-        )
+    out.extend(bounds.work_violations(cfg, stages_txt))
     if cfg.num_pipeline_microbatches != -1 and cfg.num_pipeline_microbatches <= 0:
         out.append(
             f"num_pipeline_microbatches={cfg.num_pipeline_microbatches}: "
@@ -586,7 +483,6 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
 
 __all__ = [
     "DTYPES",
-    "INT_BOUNDS",
     "MATMUL_PRECISIONS",
     "MESH_AXES",
     "PRNG_IMPLS",

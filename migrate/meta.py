@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from migrate import safe_load
-from migrate.config import DTYPES, INT_BOUNDS
+from migrate.bounds import INT_BOUNDS
+from migrate.config import DTYPES
 from migrate.errors import BadInput
 
 FORMAT = "linen-nnx-parity/checkpoint"

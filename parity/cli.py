@@ -31,7 +31,8 @@ from typing import Any
 from absl import app, flags, logging
 
 from migrate import cli_support, errors, memory, safe_load
-from migrate.config import MAX_UNROLLED_LAYERS, Config, load_config
+from migrate.bounds import MAX_UNROLLED_LAYERS
+from migrate.config import Config, load_config
 from migrate.devices import ensure_simulated_devices
 from migrate.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_USAGE, BadInput
 

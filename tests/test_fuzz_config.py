@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from migrate import safe_load
-from migrate.config import INT_BOUNDS, Config, ConfigError, load_config, parse_overrides
+from migrate.bounds import INT_BOUNDS
+from migrate.config import Config, ConfigError, load_config, parse_overrides
 from parity import cli
 
 SECONDS = 3.0  # per example, far above what a valid config takes (~10 ms)
