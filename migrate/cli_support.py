@@ -1,7 +1,7 @@
 """What the `parity` and `migrate` entry points share: the guard that turns every exception
 into its exit code (`migrate.errors`), signals that unwind like exceptions, and a prompt exit.
 
-    sys.exit(guarded("parity", lambda: run(argv), verbose=lambda: FLAGS.verbose))
+    exit_now(guarded("parity", lambda: run(argv), verbose=lambda: FLAGS.verbose))
 
 No JAX here.
 """
@@ -64,6 +64,10 @@ def signals_deferred() -> Iterator[None]:
     _deferring += 1
     try:
         yield
+    except BaseException:
+        if _deferring == 1:
+            _pending.clear()  # the section failed: its error, not the signal, is reported
+        raise
     finally:
         _deferring -= 1
     if not _deferring and _pending:

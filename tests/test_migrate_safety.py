@@ -17,7 +17,7 @@ import psutil
 import pytest
 from hostile import REPO, TINY, command, read_only, refused, run, snapshot
 
-from migrate import cli, destination, errors
+from migrate import cli, cli_support, destination, errors
 from migrate.meta import read_meta
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -180,6 +180,18 @@ def test_a_signal_during_conversion_removes_the_staging_directory(sig, src, tmp_
     assert b"Traceback" not in err
     time.sleep(1)  # nothing may reappear
     assert list(out.iterdir()) == []
+
+
+def test_a_signal_waits_until_the_final_move_is_done():
+    """SIGTERM inside the critical section (the two renames of the final move) is raised when
+    the section ends, never in the middle."""
+    done = []
+    raised = pytest.raises(errors.Interrupted, match="SIGTERM")
+    with cli_support.signals_raise(), raised, cli_support.signals_deferred():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        done.append("both renames")
+    assert done == ["both renames"]
 
 
 def test_stale_staging_directories_are_removed_by_the_next_run(src, tmp_path):
