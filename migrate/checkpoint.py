@@ -41,7 +41,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from migrate import convert, destination, optim, sharding
+from migrate import cli_support, convert, destination, optim, sharding
 from migrate.config import SCHEDULE_DEFAULTS, Config, ConfigError, with_changes
 from migrate.linen import decoder as linen_decoder
 from migrate.meta import (
@@ -837,6 +837,7 @@ def _check_and_publish(
     """Run `checks` on the checkpoint saved in `staging` in order; publish it when none finds a
     problem, discard it otherwise. Returns the problems."""
     for check in checks.values():
+        cli_support.raise_if_interrupted()
         found = tuple(check(destination.staged(staging), spec))
         if found:
             destination.discard(staging)
@@ -854,6 +855,7 @@ def init_checkpoint(dst: str | Path, spec: Spec, force: bool = False) -> Outcome
     try:
         state = init_state(spec, mesh)
         outcome = Outcome(None, spec, 0, *_sizes(state))
+        cli_support.raise_if_interrupted()
         save(destination.staged(staging), spec, state)
         _check_and_publish(staging, dst, spec, force, {})
     except BaseException:
@@ -907,6 +909,7 @@ def convert_checkpoint(
         state = assemble(weights, tgt_spec, mesh)
         del weights
         outcome = Outcome(src_spec, tgt_spec, state.step, *_sizes(state), tuple(all_checks))
+        cli_support.raise_if_interrupted()
         save(destination.staged(staging), tgt_spec, state)
         del state
         found = _check_and_publish(staging, dst, tgt_spec, force, all_checks)

@@ -112,11 +112,6 @@ def target_config(cfg: Config, changes: Mapping[str, Any], src: str | None) -> C
         raise ConfigError(f"the layout asked for is invalid: {e}") from None
 
 
-def devices_needed(cfg: Config, changes: Mapping[str, Any], src: str | None) -> int:
-    """Devices of the destination's mesh (`target_config`)."""
-    return target_config(cfg, changes, src).num_devices
-
-
 def _summary(outcome, src: str | None, dst: str) -> None:
     if outcome.source is not None:
         print(f"from {src}: {outcome.source.describe()}, step {outcome.step}")

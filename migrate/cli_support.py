@@ -30,14 +30,35 @@ from migrate.errors import (
 )
 
 _deferring = 0  # > 0 inside `signals_deferred()`
-_pending: list[int] = []  # signals that arrived while deferred
+_received: list[int] = []  # signals not yet acted on (deferred, or their exception swallowed)
 
 
 def _raise_interrupted(signum: int, frame) -> None:
-    if _deferring:
-        _pending.append(signum)
-        return
-    raise Interrupted(signum)
+    _received.append(signum)
+    if not _deferring:
+        # Raised in whatever Python code runs now; where that is a GC callback or a __del__,
+        # Python only prints it (see `_drop_swallowed`): `raise_if_interrupted` raises it again.
+        raise Interrupted(signum)
+
+
+def raise_if_interrupted() -> None:
+    """Raise `Interrupted` for a signal received but not acted on. Called at the points where
+    stopping is safe and matters (before a checkpoint is saved or moved into place, before
+    each check), since a signal's exception can be swallowed where it fires."""
+    if _received and not _deferring:
+        signum = _received[0]
+        _received.clear()
+        raise Interrupted(signum)
+
+
+def _drop_swallowed(unraisable) -> None:
+    """An `Interrupted` that Python could not raise (it fired in a GC callback): recorded in
+    `_received`, so not printed."""
+    if not isinstance(unraisable.exc_value, Interrupted):
+        _previous_unraisablehook(unraisable)
+
+
+_previous_unraisablehook = sys.unraisablehook
 
 
 @contextlib.contextmanager
@@ -45,15 +66,18 @@ def signals_raise() -> Iterator[None]:
     """SIGINT and SIGTERM raise `Interrupted` in the main thread, so that `finally` blocks and
     `except BaseException` cleanups run (SIGTERM would otherwise end the process at once).
     Elsewhere than the main thread this does nothing."""
+    global _previous_unraisablehook
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    _previous_unraisablehook, sys.unraisablehook = sys.unraisablehook, _drop_swallowed
     try:
         yield
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        sys.unraisablehook = _previous_unraisablehook
 
 
 @contextlib.contextmanager
@@ -66,14 +90,11 @@ def signals_deferred() -> Iterator[None]:
         yield
     except BaseException:
         if _deferring == 1:
-            _pending.clear()  # the section failed: its error, not the signal, is reported
+            _received.clear()  # the section failed: its error, not the signal, is reported
         raise
     finally:
         _deferring -= 1
-    if not _deferring and _pending:
-        signum = _pending[0]
-        _pending.clear()
-        raise Interrupted(signum)
+    raise_if_interrupted()
 
 
 def quiet_library_tracebacks() -> None:
@@ -101,7 +122,9 @@ def guarded(program: str, body: Callable[[], int], verbose: Callable[[], bool]) 
     one-line message (and the traceback when `verbose()`), never a bare traceback."""
     with signals_raise():
         try:
-            return body()
+            status = body()
+            raise_if_interrupted()  # a signal whose exception was swallowed still stops us
+            return status
         except SystemExit:
             raise
         except BaseException as e:  # the point: nothing escapes unclassified

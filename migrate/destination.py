@@ -35,7 +35,7 @@ from pathlib import Path
 import psutil
 
 from migrate import meta, safe_load
-from migrate.cli_support import signals_deferred, unwritable_reason
+from migrate.cli_support import raise_if_interrupted, signals_deferred, unwritable_reason
 from migrate.meta import CheckpointError
 
 STAGING_PREFIX = ".migrate-staging-"
@@ -201,7 +201,8 @@ def discard(staging: Path, settle: bool = False) -> None:
 def publish(staging: Path, dst: Path, force: bool) -> None:
     """Move the complete checkpoint into place, then remove `staging` (with the old destination,
     which is renamed aside first and only removed once the new one is in place). Signals wait
-    until both renames are done."""
+    until both renames are done; one received before, not yet raised, stops it here."""
+    raise_if_interrupted()
     with signals_deferred():
         if dst.exists() or dst.is_symlink():
             if not force:

@@ -312,6 +312,7 @@ def _run(argv: Sequence[str]) -> int:
     results, durations = [], []
 
     def run_check(name: str, check: Callable[[], Any]) -> None:
+        cli_support.raise_if_interrupted()
         start = time.perf_counter()
         progress(f"{name} ...")
         try:

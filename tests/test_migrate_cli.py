@@ -148,23 +148,24 @@ def test_failed_verification_exits_1_and_writes_nothing(nnx_ckpt, tmp_path, caps
     assert list(tmp_path.iterdir()) == []
 
 
-def test_devices_needed_follow_the_source_layout_and_the_overrides(nnx_ckpt, tmp_path):
+def test_devices_follow_the_source_layout_and_the_overrides(nnx_ckpt, tmp_path):
     """Counted before JAX starts: the config, then the layout the source's validated meta
     records, then the overrides."""
     cfg = load_config(CONFIG_DIR / "llama2-tiny.yml")
-    assert cli.devices_needed(cfg, {}, None) == 8  # stage 4 x fsdp 2
+    devices_needed = lambda changes, src: cli.target_config(cfg, changes, src).num_devices
+    assert devices_needed({}, None) == 8  # stage 4 x fsdp 2
     restaged = {"ici_pipeline_parallelism": 2, "num_pipeline_repeats": 4}
-    assert cli.devices_needed(cfg, restaged, None) == 4
+    assert devices_needed(restaged, None) == 4
     src = tmp_path / "src"
     shutil.copytree(nnx_ckpt, src)
     meta_file = src / "meta" / "metadata"
     meta = json.loads(meta_file.read_text())
     meta["layout_keys"]["ici_pipeline_parallelism"] = 1
     meta_file.write_text(json.dumps(meta))
-    assert cli.devices_needed(cfg, {}, str(src)) == 2
-    assert cli.devices_needed(cfg, {"ici_fsdp_parallelism": 4}, str(src)) == 4
+    assert devices_needed({}, str(src)) == 2
+    assert devices_needed({"ici_fsdp_parallelism": 4}, str(src)) == 4
     with pytest.raises(checkpoint.CheckpointError, match="no checkpoint there"):
-        cli.devices_needed(cfg, {}, str(tmp_path / "missing"))
+        devices_needed({}, str(tmp_path / "missing"))
 
 
 def test_console_script_flag_errors_exit_2_before_jax(tmp_path):
