@@ -258,10 +258,13 @@ def return_freed_memory() -> None:
 
 
 def _quiet_abandoned_reads(unraisable) -> None:
-    """After a failed read, Orbax's pending TensorStore reads end in its closed event loop or
-    are dropped unfinished; the error was already reported, so drop that noise (only that)."""
+    """After a failed read or an interrupted save, Orbax's pending TensorStore work ends in its
+    closed event loop or is dropped unfinished, and its event loop is collected while still
+    running; the error was already reported, so drop that noise (only that)."""
     error, source = unraisable.exc_value, unraisable.object
     if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return
+    if getattr(source, "__qualname__", "") == "BaseEventLoop.__del__":
         return
     code = getattr(source, "cr_code", None)
     if code is not None and "/orbax/" in code.co_filename.replace("\\", "/"):

@@ -16,6 +16,7 @@ import stat
 import sys
 import threading
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -119,21 +120,28 @@ def error_line(program: str, message: str, label: str = "error") -> int:
 
 def guarded(program: str, body: Callable[[], int], verbose: Callable[[], bool]) -> int:
     """`body()`'s exit status; any exception becomes its status from `errors.classify` with a
-    one-line message (and the traceback when `verbose()`), never a bare traceback."""
-    with signals_raise():
-        try:
+    one-line message (and the traceback when `verbose()`), never a bare traceback. After that
+    line, what abandoned library objects print as they are collected (an Orbax event loop, a
+    save never awaited) is dropped too, unless `verbose()`."""
+    try:
+        with signals_raise():
             status = body()
             raise_if_interrupted()  # a signal whose exception was swallowed still stops us
-            return status
-        except SystemExit:
-            raise
-        except BaseException as e:  # the point: nothing escapes unclassified
-            status, label, message = classify(e)
-            error_line(program, message, label)
-            with contextlib.suppress(Exception):
-                if verbose():
-                    traceback.print_exc()
-            return status
+        return status
+    except SystemExit:
+        raise
+    except BaseException as e:  # the point: nothing escapes unclassified
+        status, label, message = classify(e)
+        error_line(program, message, label)
+        loud = False
+        with contextlib.suppress(Exception):
+            loud = verbose()
+        if loud:
+            traceback.print_exc()
+        else:
+            sys.unraisablehook = lambda unraisable: None
+            warnings.simplefilter("ignore")
+        return status
 
 
 def exit_now(status: int, distributed: bool = False) -> None:

@@ -11,11 +11,13 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 import xml.etree.ElementTree as ET
 
 import pytest
 from hostile import CONFIGS, REPO, TINY, config_dir, read_only, refused, run, snapshot, unreadable
 from rich.console import Console
+from test_cli import run_in_process
 
 from migrate import errors
 from migrate.cli_support import guarded
@@ -213,14 +215,6 @@ def test_an_unreachable_coordinator_exits_3_in_bounded_time(process_id):
 # ------------------------------------------------------------------ statuses and reports
 
 
-def run_in_process(*args: str) -> int:
-    argv = cli.FLAGS(["parity", *args])
-    try:
-        return cli.run(argv)
-    finally:
-        cli.FLAGS.unparse_flags()
-
-
 def fake_check(monkeypatch, outcome) -> None:
     """`roundtrip` replaced by `outcome` (a CheckResult, or an exception to raise)."""
 
@@ -347,6 +341,15 @@ def test_plot_path_is_written_as_given(tmp_path):
 # ------------------------------------------------------------------ the guard
 
 
+@pytest.fixture
+def hooks_restored(monkeypatch):
+    """After an error the guard silences what the exiting process would still print
+    (unraisable exceptions, warnings): give them back to pytest afterwards."""
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    with warnings.catch_warnings():
+        yield
+
+
 def test_an_internal_error_exits_4_with_one_line_and_the_traceback_only_when_verbose():
     crash = "from parity import cli; cli.run = lambda argv: 1 / 0; cli.main()"
     command = [sys.executable, "-c", crash, TINY]
@@ -377,7 +380,7 @@ def test_an_internal_error_exits_4_with_one_line_and_the_traceback_only_when_ver
         (KeyError("x"), 4, "KeyError"),
     ],
 )  # fmt: skip
-def test_every_exception_has_its_exit_status(error, status, fragment, capsys):
+def test_every_exception_has_its_exit_status(error, status, fragment, capsys, hooks_restored):
     def body() -> int:
         raise error
 
@@ -386,7 +389,7 @@ def test_every_exception_has_its_exit_status(error, status, fragment, capsys):
     assert len(err.splitlines()) == 1 and fragment in err and "Traceback" not in err
 
 
-def test_a_huge_message_is_cut(capsys):
+def test_a_huge_message_is_cut(capsys, hooks_restored):
     def body() -> int:
         raise errors.BadInput("x" * 10**7)
 

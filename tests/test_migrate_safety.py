@@ -16,21 +16,14 @@ from pathlib import Path
 import psutil
 import pytest
 from hostile import REPO, TINY, command, read_only, refused, run, snapshot
+from test_migrate_cli import migrate as migrate_in_process
 
-from migrate import cli, cli_support, destination, errors
+from migrate import cli_support, destination, errors
 from migrate.meta import read_meta
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 CONFIG = f"--config={TINY}"
 CONVERT = ("convert", CONFIG, "--from=nnx", "--to=linen")
-
-
-def migrate_in_process(*args: str) -> int:
-    argv = cli.FLAGS(["migrate", *args])
-    try:
-        return cli.run(argv)
-    finally:
-        cli.FLAGS.unparse_flags()
 
 
 @pytest.fixture(scope="module")
