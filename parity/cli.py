@@ -19,8 +19,6 @@ imported only then, after the simulated CPU devices for the config's mesh were r
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
 import sys
 import time
@@ -30,11 +28,12 @@ from typing import Any
 
 from absl import app, flags, logging
 
-from migrate import cli_support, errors, memory, safe_load
+from migrate import cli_support, errors, memory
 from migrate.bounds import MAX_UNROLLED_LAYERS
 from migrate.config import Config, load_config
 from migrate.devices import ensure_simulated_devices
 from migrate.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_USAGE, BadInput
+from parity.outputs import Outputs  # no JAX
 
 CHECK_NAMES = (
     "roundtrip",
@@ -52,7 +51,6 @@ CHECK_NAMES = (
 ON_REQUEST = ("layers", "compile", "efficiency")
 ABSTRACT_CHECKS = ("compile", "efficiency")  # compile from shapes: no weights allocated
 MAX_LOCAL_PROCESSES = 32
-MAX_GOLDEN_BYTES = 64 << 20
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
@@ -210,37 +208,15 @@ def _check_processes(cfg: Config) -> None:
         coordinator.check_worker_flags(processes, FLAGS.process_id, FLAGS.coordinator_address)
 
 
-class Outputs:
-    """The report paths, checked before any check runs; an existing golden file is read now."""
-
-    def __init__(self, model_name: str) -> None:
-        from parity.report import golden_path  # no JAX
-
-        check = cli_support.check_output_file
-        self.json = check(FLAGS.json, "--json") if FLAGS.json else None
-        self.junit = check(FLAGS.junit, "--junit") if FLAGS.junit else None
-        self.plot = check(FLAGS.plot, "--plot") if FLAGS.plot else None
-        if self.plot and importlib.util.find_spec("matplotlib") is None:
-            raise BadInput("--plot needs matplotlib: install the package's `plot` extra")
-        self.golden: Path | None = None
-        self.golden_data: dict[str, Any] | None = None
-        if FLAGS.golden:
-            directory = cli_support.ensure_directory(Path(FLAGS.golden), "--golden")
-            self.golden = golden_path(directory, model_name)
-            if not FLAGS.update_golden and (self.golden.exists() or self.golden.is_symlink()):
-                self.golden_data = _read_golden(self.golden)
-            elif self.golden.is_dir():
-                raise BadInput(f"--golden: {self.golden} is a directory")
-
-
-def _read_golden(path: Path) -> dict[str, Any]:
-    data = safe_load.load_json_file(path, MAX_GOLDEN_BYTES, "golden file")
-    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
-        raise BadInput(
-            f"golden file {path}: not a golden sharding report (a mapping of parameter -> "
-            "names, shape, spec); rerun with --update_golden to rewrite it"
-        )
-    return data
+def _outputs(model_name: str) -> Outputs:
+    return Outputs(
+        json=FLAGS.json,
+        junit=FLAGS.junit,
+        plot=FLAGS.plot,
+        golden=FLAGS.golden,
+        update_golden=FLAGS.update_golden,
+        model_name=model_name,
+    )
 
 
 def _check_work(cfg: Config, selected: Sequence[str]) -> None:
@@ -282,7 +258,7 @@ def _run(argv: Sequence[str]) -> int:
     processes = FLAGS.num_processes
     _check_work(cfg, selected)
     reports = FLAGS.process_id in (None, 0)  # only process 0 writes reports
-    outputs = Outputs(cfg.model_name) if reports else None  # creates missing report folders
+    outputs = _outputs(cfg.model_name) if reports else None  # creates missing report folders
     if FLAGS.dry_run:
         print(f"{_plan(cfg, selected)}; memory {memory.estimate(cfg).describe()}")
         return EXIT_PASS
@@ -338,62 +314,13 @@ def _run(argv: Sequence[str]) -> int:
 
     main = distributed.is_main()  # only process 0 prints the table and writes reports
     if outputs is not None and outputs.golden is not None:
-        run_check("golden", lambda: _golden_result(checks, report, session, outputs, main))
+        run_check("golden", lambda: outputs.golden_result(session, write=main))
     status = max(checks.EXIT_STATUS[r.status] for r in results)
     if main:
         report.render_table(results, cfg)
-        status = max(status, _write_reports(report, results, cfg, durations, outputs))
+        if outputs is not None:
+            status = max(status, outputs.write(results, cfg, durations))
     return distributed.worst_status(status)
-
-
-def _write_reports(report, results, cfg: Config, durations, outputs: Outputs | None) -> int:
-    """Each requested report; one that cannot be written is named (the verdict is already on
-    stdout) and gives its exit status (EXIT_USAGE for a file system error)."""
-    if outputs is None:
-        return EXIT_PASS
-    status = EXIT_PASS
-    writers = (
-        ("--json", outputs.json, lambda p: report.write_json(results, cfg, p)),
-        ("--junit", outputs.junit, lambda p: report.write_junit(results, cfg, p, durations)),
-        ("--plot", outputs.plot, lambda p: report.write_plot(results, cfg, p)),
-    )
-    for flag, path, write in writers:
-        if path is None:
-            continue
-        try:
-            if write(path) is False:
-                progress(f"{flag}: no train check ran, nothing to plot")
-        except Exception as e:
-            code, _, message = errors.classify(e)
-            status = max(status, code)
-            usage_error(f"{flag}: the report {path} was not written ({message})")
-    return status
-
-
-def _golden_result(checks, report, session, outputs: Outputs, write: bool):
-    path = outputs.golden
-    current = report.golden_sharding(session)
-    if outputs.golden_data is None:
-        if write:
-            path.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
-            progress(f"golden sharding report written: {path}")
-        return checks.CheckResult(
-            "golden", True, "differences", 0.0, 0.0, str(path), message="written"
-        )
-    differences = report.golden_differences(outputs.golden_data, current)
-    for line in differences if write else ():
-        print(report.printable(f"  golden {line}"))
-    return checks.CheckResult(
-        "golden",
-        not differences,
-        "differences",
-        float(len(differences)),
-        0.0,
-        differences[0] if differences else str(path),
-        details=tuple({"difference": d, "passed": False} for d in differences),
-        message=f"compared with {path}"
-        + ("; rerun with --update_golden to accept" if differences else ""),
-    )
 
 
 def main() -> None:
