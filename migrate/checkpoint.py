@@ -18,7 +18,9 @@ Restores land with the sharding of the mesh they are given (each leaf's logical 
 by `migrate.sharding`). Conversion changes framework by moving arrays (`migrate.convert`) and
 changes layout leaf by leaf (`migrate.layout`, each new array built and its source dropped
 before the next), so that peak memory stays near one copy of the checkpoint; it writes into a
-temporary directory that is moved into place only when complete.
+staging directory that is moved into place only when complete (`migrate.destination`: what
+`--force` may replace, signals, stale staging directories). `meta` is read and validated
+without JAX by `migrate.meta`.
 """
 
 from __future__ import annotations
@@ -26,8 +28,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import shutil
-import uuid
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -41,38 +41,22 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from migrate import convert, optim, sharding
-from migrate.config import Config, ConfigError
+from migrate import cli_support, convert, destination, optim, sharding
+from migrate.config import SCHEDULE_DEFAULTS, Config, ConfigError, with_changes
 from migrate.linen import decoder as linen_decoder
+from migrate.meta import (
+    ARRAY_ITEMS,
+    FORMAT,
+    FRAMEWORKS,
+    LAYOUT_KEYS,
+    LAYOUTS,
+    MODEL_KEYS,
+    VERSION,
+    CheckpointError,
+    read_meta,
+)
 from migrate.nnx import decoder as nnx_decoder
 
-FORMAT = "linen-nnx-parity/checkpoint"
-VERSION = 1
-FRAMEWORKS = ("linen", "nnx")
-LAYOUTS = ("pipeline", "reference")
-ARRAY_ITEMS = ("params", "opt_state")
-META_ITEM = "meta"
-# Keys that place the decoder layers in the pipeline layout: S, R, L and the scanned L axis.
-LAYOUT_KEYS = (
-    "ici_pipeline_parallelism",
-    "dcn_pipeline_parallelism",
-    "num_layers_per_pipeline_stage",
-    "num_pipeline_repeats",
-    "scan_layers_per_stage",
-)
-# Keys that fix the parameters' shapes; recorded to explain a mismatch.
-MODEL_KEYS = (
-    "base_emb_dim",
-    "base_num_query_heads",
-    "base_num_kv_heads",
-    "head_dim",
-    "base_mlp_dim",
-    "base_num_decoder_layers",
-    "vocab_size",
-    "weight_dtype",
-)
-# Schedule keys that weights do not depend on: reset when a layout change leaves them invalid.
-SCHEDULE_DEFAULTS = {"num_pipeline_microbatches": -1, "pipeline_delay_activation_forwarding": False}
 MAX_LISTED = 5  # mismatching paths named in one error
 # OCDBT data files are written when they reach this size: the default buffers a whole item in
 # memory before writing it (measured: 0.7x the checkpoint's bytes; 64 MiB files: 0.3x).
@@ -80,10 +64,6 @@ OCDBT_FILE_BYTES = 64 * 2**20
 
 Path_ = tuple[str, ...]
 Names = tuple[str | None, ...] | None
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, corrupt, or does not fit the request; names the place."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,18 +123,6 @@ class TrainState:
 def layout_keys(cfg: Config) -> dict[str, Any]:
     """The config's values of `LAYOUT_KEYS`."""
     return {k: getattr(cfg, k) for k in LAYOUT_KEYS}
-
-
-def with_changes(cfg: Config, changes: Mapping[str, Any]) -> Config:
-    """`cfg` with `changes`; schedule keys that no longer fit (M, delay) reset to defaults.
-
-    Weights do not depend on the schedule, so a re-staged layout (S=2 where the config says
-    S=4) need not also restate a microbatch count that fits it.
-    """
-    try:
-        return cfg.replace(**changes)
-    except ConfigError:
-        return cfg.replace(**{**SCHEDULE_DEFAULTS, **changes})
 
 
 def reference_config(cfg: Config) -> Config:
@@ -445,37 +413,6 @@ def crc32(array: Any) -> int:
     """CRC32 of an array's bytes in C order, whatever its sharding (one leaf on the host at a
     time)."""
     return zlib.crc32(host_copy(array).reshape(-1).view(np.uint8))
-
-
-def read_meta(path: str | Path) -> dict[str, Any]:
-    """The checkpoint's `meta` item, checked for format and the keys every reader needs."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no checkpoint there (not a directory)")
-    missing = [item for item in (*ARRAY_ITEMS, META_ITEM) if not (path / item).is_dir()]
-    if missing:
-        raise CheckpointError(
-            f"{path}: not a complete checkpoint: item(s) {', '.join(missing)} missing "
-            f"(expected {', '.join((*ARRAY_ITEMS, META_ITEM))})"
-        )
-    try:
-        with _checkpointer() as ckpt:
-            meta = ckpt.restore(path, ocp.args.Composite(meta=ocp.args.JsonRestore()))[META_ITEM]
-    except Exception as e:  # Orbax and JSON errors alike: the item cannot be read
-        raise CheckpointError(
-            f"{path / META_ITEM}: cannot read the checkpoint's meta item ({_first_line(e)}); "
-            "the checkpoint is corrupt"
-        ) from None
-    required = ("format", "version", "framework", "layout", "step", "layout_keys", "arrays")
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path / META_ITEM}: not a {FORMAT} checkpoint")
-    absent = [k for k in required if k not in meta]
-    if absent or meta["version"] != VERSION:
-        raise CheckpointError(
-            f"{path / META_ITEM}: version {meta.get('version')} with keys missing: {absent}; "
-            f"this reader knows version {VERSION}"
-        )
-    return meta
 
 
 def save_args(spec: Spec, state: TrainState) -> ocp.args.Composite:
@@ -870,49 +807,6 @@ def compare_checkpoints(
     return differences(*sides)
 
 
-# ------------------------------------------------------------------ safe destinations
-
-
-def check_destination(src: Path | None, dst: Path, force: bool) -> None:
-    """Refuse an existing destination without `force`, and any destination that is, holds or
-    lies inside the source."""
-    dst = dst.absolute()
-    if src is not None:
-        real_src, real_dst = src.resolve(), dst.resolve()  # through symlinks
-        if real_dst == real_src or real_src in real_dst.parents or real_dst in real_src.parents:
-            raise CheckpointError(
-                f"{dst}: the destination must not be, contain or lie inside the source {src}"
-            )
-    if dst.exists() and not force:
-        raise CheckpointError(f"{dst}: already exists; pass --force to replace it")
-    if dst.exists() and not dst.is_dir():
-        raise CheckpointError(f"{dst}: exists and is not a directory; not replacing it")
-
-
-def staging_path(dst: Path) -> Path:
-    """A fresh sibling of `dst` (same filesystem, so the final move is a rename)."""
-    return dst.parent / f".{dst.name}.partial-{uuid.uuid4().hex[:12]}"
-
-
-def discard(staging: Path) -> None:
-    """Remove `staging` and anything Orbax left beside it under the same name."""
-    for leftover in staging.parent.glob(f"{staging.name}*"):
-        shutil.rmtree(leftover, ignore_errors=True)
-
-
-def publish(staging: Path, dst: Path, force: bool) -> None:
-    """Move a complete checkpoint into place; an old destination is removed only afterwards."""
-    old = None
-    if dst.exists():
-        if not force:
-            raise CheckpointError(f"{dst}: appeared while converting; pass --force to replace it")
-        old = dst.parent / f".{dst.name}.replaced-{uuid.uuid4().hex[:12]}"
-        dst.rename(old)
-    staging.rename(dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 # ------------------------------------------------------------------ commands
 
 
@@ -940,31 +834,32 @@ def _sizes(state: TrainState) -> tuple[int, int]:
 def _check_and_publish(
     staging: Path, dst: Path, spec: Spec, force: bool, checks: Mapping[str, Check]
 ) -> tuple[str, ...]:
-    """Run `checks` on the saved staging directory in order; publish it when none finds a
+    """Run `checks` on the checkpoint saved in `staging` in order; publish it when none finds a
     problem, discard it otherwise. Returns the problems."""
     for check in checks.values():
-        found = tuple(check(staging, spec))
+        cli_support.raise_if_interrupted()
+        found = tuple(check(destination.staged(staging), spec))
         if found:
-            discard(staging)
+            destination.discard(staging)
             return found
-    publish(staging, dst, force)
+    destination.publish(staging, dst, force)
     return ()
 
 
 def init_checkpoint(dst: str | Path, spec: Spec, force: bool = False) -> Outcome:
     """Write a freshly initialised checkpoint of `spec` at `dst` (staged, then moved)."""
     dst = Path(dst).absolute()
-    check_destination(None, dst, force)
+    destination.check_destination(None, dst, force)
     mesh = sharding.make_mesh(spec.cfg)
-    staging = staging_path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    staging = destination.stage(dst)
     try:
         state = init_state(spec, mesh)
         outcome = Outcome(None, spec, 0, *_sizes(state))
-        save(staging, spec, state)
+        cli_support.raise_if_interrupted()
+        save(destination.staged(staging), spec, state)
         _check_and_publish(staging, dst, spec, force, {})
     except BaseException:
-        discard(staging)
+        destination.discard(staging, settle=True)
         raise
     return outcome
 
@@ -991,7 +886,7 @@ def convert_checkpoint(
     leaves `dst` as it was.
     """
     src, dst = Path(src).absolute(), Path(dst).absolute()
-    check_destination(src, dst, force)
+    destination.check_destination(src, dst, force)
     meta = read_meta(src)
     if meta["framework"] != source:
         raise CheckpointError(
@@ -1004,8 +899,7 @@ def convert_checkpoint(
         return compare_checkpoints(src, src_spec, staging, spec, mesh, dtype)
 
     all_checks = {**({"bit-exact": bit_exact} if verify else {}), **checks}
-    staging = staging_path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    staging = destination.stage(dst)
     try:
         # Locals, not arguments, hold the trees: the restored state is gone once taken apart,
         # each source array once its converted twin exists, and the converted state once saved
@@ -1015,10 +909,11 @@ def convert_checkpoint(
         state = assemble(weights, tgt_spec, mesh)
         del weights
         outcome = Outcome(src_spec, tgt_spec, state.step, *_sizes(state), tuple(all_checks))
-        save(staging, tgt_spec, state)
+        cli_support.raise_if_interrupted()
+        save(destination.staged(staging), tgt_spec, state)
         del state
         found = _check_and_publish(staging, dst, tgt_spec, force, all_checks)
     except BaseException:
-        discard(staging)
+        destination.discard(staging, settle=True)
         raise
     return dataclasses.replace(outcome, differences=found)

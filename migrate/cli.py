@@ -5,12 +5,15 @@
             [--verify_forward]
     migrate init --config=CONFIG --framework=linen|nnx DST [key=value ...]
             [--layout=pipeline|reference] [--force]
+    (either: --verbose prints the traceback of an internal error)
 
 `key=value` overrides use MaxText key names. Layout keys among them (ici_pipeline_parallelism,
 dcn_pipeline_parallelism, num_layers_per_pipeline_stage, num_pipeline_repeats,
 scan_layers_per_stage) re-stage the destination; the source keeps the layout it records. Exit
-status: 0 written, 1 verification failed (nothing written), 2 usage, config or checkpoint error
-(a message, no traceback; the destination untouched).
+status (`migrate.errors`): 0 written, 1 verification failed (nothing written), 2 usage, config,
+checkpoint, path or resource error (a message, no traceback; the destination untouched), 4 an
+internal error, 128+N stopped by signal N (the staging directory removed). `--force` replaces
+only a checkpoint this tool wrote (`migrate.destination`).
 
 Flags live in their own `FlagValues`, so this module and `parity.cli` share a process freely.
 JAX is imported only after the config is read, once the simulated device count is known.
@@ -20,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,13 +30,18 @@ from typing import Any
 
 from absl import flags, logging
 
-from migrate.config import ConfigError, load_config, parse_overrides
+from migrate import cli_support, destination, memory
+from migrate.config import Config, ConfigError, load_config, parse_overrides, with_changes
+from migrate.devices import ensure_simulated_devices
+from migrate.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_USAGE, BadInput
+from migrate.meta import read_meta
 
 COMMANDS = ("convert", "init")
 FRAMEWORKS = ("linen", "nnx")
 LAYOUTS = ("pipeline", "reference")
 DTYPES = ("float32", "bfloat16")
-EXIT_OK, EXIT_VERIFY_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_VERIFY_FAILED = EXIT_PASS, EXIT_FAIL
+__all__ = ["EXIT_INTERNAL", "EXIT_OK", "EXIT_USAGE", "EXIT_VERIFY_FAILED", "main", "run"]
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("config", None, "Model config YAML (over configs/base.yml).", flag_values=FLAGS)
@@ -72,41 +79,37 @@ flags.DEFINE_boolean(
     "converted weights before moving them into place.",
     flag_values=FLAGS,
 )
+flags.DEFINE_boolean(
+    "memory_check",
+    True,
+    "Refuse (exit 2) a checkpoint whose lower-bound memory estimate exceeds the available memory.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_boolean(
+    "verbose", False, "Print the traceback of an internal error.", flag_values=FLAGS
+)
 
 USAGE = __doc__.split("\n\n")[1]
 
 
 def usage_error(message: str) -> int:
-    print(f"migrate: error: {message}", file=sys.stderr)
-    return EXIT_USAGE
+    return cli_support.error_line("migrate", message)
 
 
 def progress(message: str) -> None:
     print(f"[migrate] {message}", file=sys.stderr, flush=True)
 
 
-def devices_needed(values: Mapping[str, Any], changes: Mapping[str, Any], src: str | None) -> int:
-    """Devices of the destination's mesh: the config's `values`, then the layout keys that the
-    source records (read without JAX; best effort), then the `changes`."""
-    merged = dict(values)
-    if src is not None:
-        # A missing or corrupt checkpoint is reported properly later.
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            merged.update(json.loads((Path(src) / "meta" / "metadata").read_text())["layout_keys"])
-    merged.update(changes)
+def target_config(cfg: Config, changes: Mapping[str, Any], src: str | None) -> Config:
+    """The destination's config, before JAX: the config, then the layout keys that the source's
+    `meta` records (read and validated: a missing, corrupt or edited meta is refused here), then
+    the `changes`, validated together as the command will build them."""
+    if src is None:
+        return with_changes(cfg, changes)
     try:
-        stages = merged["ici_pipeline_parallelism"] * merged["dcn_pipeline_parallelism"]
-        keys = ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism")
-        return int(stages * merged[keys[0]] * merged[keys[1]] * merged[keys[2]])
-    except (KeyError, TypeError):
-        return 1
-
-
-def ensure_devices(count: int) -> None:
-    """Simulated host devices for the mesh, requested before JAX is imported."""
-    from parity.cli import ensure_simulated_devices  # absl flags of its own; imports no JAX
-
-    ensure_simulated_devices(count)
+        return with_changes(cfg, {**read_meta(src)["layout_keys"], **changes})
+    except ConfigError as e:
+        raise ConfigError(f"the layout asked for is invalid: {e}") from None
 
 
 def _summary(outcome, src: str | None, dst: str) -> None:
@@ -149,7 +152,15 @@ def forward_problems(path: Path, spec) -> list[str]:
 
 
 def run(argv: Sequence[str]) -> int:
-    """The command body (flags already parsed into `FLAGS`); returns the exit status."""
+    """The command body (flags already parsed into `FLAGS`); returns the exit status (bad
+    input: a message and EXIT_USAGE; other exceptions propagate to `cli_support.guarded`)."""
+    try:
+        return _run(argv)
+    except BadInput as e:
+        return usage_error(str(e))
+
+
+def _run(argv: Sequence[str]) -> int:
     args = list(argv[1:])
     if not args or args[0] not in COMMANDS:
         got = f" {args[0]!r}" if args else ""
@@ -169,22 +180,28 @@ def run(argv: Sequence[str]) -> int:
         return usage_error("convert: --from and --to are required (linen or nnx)")
     if command == "init" and FLAGS.framework is None:
         return usage_error("init: --framework is required (linen or nnx)")
-    try:
-        cfg = load_config(FLAGS.config)
-        changes = parse_overrides(overrides)
-    except ConfigError as e:
-        return usage_error(str(e))
+    cfg = load_config(FLAGS.config)
+    changes = parse_overrides(overrides)
     src = paths[0] if command == "convert" else None
-    ensure_devices(devices_needed(cfg.to_dict(), changes, src))
+    # Everything that needs no JAX is refused before JAX starts: the destination, the
+    # source's meta, the mesh the result needs.
+    destination.check_destination(
+        Path(src) if src is not None else None, Path(paths[-1]), FLAGS.force
+    )
+    target_cfg = target_config(cfg, changes, src)
+    if FLAGS.memory_check:
+        both = command == "convert" and (FLAGS.verify or FLAGS.verify_forward)
+        needed = memory.estimate(target_cfg, copies=2 if both else 1, gradients=False)
+        memory.check_fits(needed, what=f"{command} {paths[-1]}")
+    ensure_simulated_devices(target_cfg.num_devices)
 
-    from migrate import checkpoint, sharding
+    from migrate import checkpoint
     from migrate.convert import ConversionError
     from migrate.layout import LayoutError
 
-    user_errors = (checkpoint.CheckpointError, ConfigError, sharding.MeshError)
     try:
         if command == "init":
-            spec_cfg = checkpoint.with_changes(cfg, changes)
+            spec_cfg = with_changes(cfg, changes)
             layout = FLAGS.layout or ("pipeline" if spec_cfg.using_pipeline else "reference")
             spec = checkpoint.Spec(FLAGS.framework, layout, spec_cfg)
             outcome = checkpoint.init_checkpoint(paths[0], spec, FLAGS.force)
@@ -203,7 +220,7 @@ def run(argv: Sequence[str]) -> int:
                 verify=FLAGS.verify,
                 checks=checks,
             )
-    except (*user_errors, ConversionError, LayoutError) as e:
+    except (ConversionError, LayoutError) as e:  # the checkpoint does not fit: bad input
         return usage_error(str(e))
     if outcome.differences:
         print(
@@ -241,10 +258,13 @@ def return_freed_memory() -> None:
 
 
 def _quiet_abandoned_reads(unraisable) -> None:
-    """After a failed read, Orbax's pending TensorStore reads end in its closed event loop or
-    are dropped unfinished; the error was already reported, so drop that noise (only that)."""
+    """After a failed read or an interrupted save, Orbax's pending TensorStore work ends in its
+    closed event loop or is dropped unfinished, and its event loop is collected while still
+    running; the error was already reported, so drop that noise (only that)."""
     error, source = unraisable.exc_value, unraisable.object
     if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return
+    if getattr(source, "__qualname__", "") == "BaseEventLoop.__del__":
         return
     code = getattr(source, "cr_code", None)
     if code is not None and "/orbax/" in code.co_filename.replace("\\", "/"):
@@ -252,15 +272,21 @@ def _quiet_abandoned_reads(unraisable) -> None:
     sys.__unraisablehook__(unraisable)
 
 
+def _main(argv: list[str]) -> int:
+    parsed = _parse_flags(argv)
+    return parsed if isinstance(parsed, int) else run(parsed)
+
+
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point: every exception becomes its exit status
+    (`migrate.errors`), SIGINT and SIGTERM remove the staging directory."""
     logging.set_verbosity(logging.WARNING)
     sys.unraisablehook = _quiet_abandoned_reads
     return_freed_memory()
-    parsed = _parse_flags(sys.argv)
-    if isinstance(parsed, int):
-        sys.exit(parsed)
-    sys.exit(run(parsed))
+    verbose = lambda: FLAGS["verbose"].value or "--verbose" in sys.argv
+    if not verbose():
+        cli_support.quiet_library_tracebacks()
+    cli_support.exit_now(cli_support.guarded("migrate", lambda: _main(sys.argv), verbose))
 
 
 if __name__ == "__main__":

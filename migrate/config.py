@@ -2,11 +2,15 @@
 
 Key names follow MaxText. Derived values (S, M, R, L, microbatch size, iteration count, bubble
 fraction) are computed once, in `Config.__post_init__`, and every invalid combination is refused
-with a `ConfigError` naming the keys, their values and the rule they break.
+with a `ConfigError` naming the keys, their values and the rule they break. Every size is held
+to a sane bound (`migrate.bounds`) and every float must be finite *before* anything is derived
+from them, so that no hostile value reaches JAX, a loop or an allocation. YAML is read through
+`migrate.safe_load` (bounded: no alias bombs, no deep nesting).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
@@ -15,7 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
+from migrate import bounds, safe_load
+from migrate.errors import BadInput
 
 MESH_AXES: tuple[str, ...] = ("data", "stage", "fsdp", "tensor")
 DTYPES = ("float32", "bfloat16")
@@ -25,8 +30,10 @@ PRNG_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
+MAX_CONFIG_BYTES = 1 << 20
 
-class ConfigError(ValueError):
+
+class ConfigError(BadInput, ValueError):
     """A config that cannot be built: unknown key, wrong type, or a broken rule."""
 
 
@@ -92,15 +99,15 @@ class Config:
     bubble_fraction: float = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
+        out_of_bounds = bounds.value_violations(self)
+        if out_of_bounds:  # nothing is derived from a value out of bounds
+            raise _invalid(self.model_name, out_of_bounds)
         derived = _derive(self)
         for name, value in derived.items():
             object.__setattr__(self, name, value)
         problems = _violations(self)
         if problems:
-            raise ConfigError(
-                f"config {self.model_name!r} is invalid:\n"
-                + "\n".join(f"  - {p}" for p in problems)
-            )
+            raise _invalid(self.model_name, problems)
 
     @property
     def using_pipeline(self) -> bool:
@@ -132,6 +139,15 @@ class Config:
 
 
 _SETTABLE = {f.name: f for f in dataclasses.fields(Config) if f.init}
+_short = bounds.short_repr
+
+
+def _invalid(model_name: str, problems: Sequence[str]) -> ConfigError:
+    """One problem on one line; several as a list."""
+    head = f"config {_short(model_name)} is invalid:"
+    if len(problems) == 1:
+        return ConfigError(f"{head} {problems[0]}")
+    return ConfigError(head + "".join(f"\n  - {p}" for p in problems))
 
 
 def _derive(cfg: Config) -> dict[str, Any]:
@@ -172,26 +188,7 @@ def _violations(cfg: Config) -> list[str]:
         if not ok:
             out.append(message)
 
-    for key in (
-        "base_emb_dim",
-        "base_num_query_heads",
-        "base_num_kv_heads",
-        "head_dim",
-        "base_mlp_dim",
-        "base_num_decoder_layers",
-        "vocab_size",
-        "max_target_length",
-        "dcn_pipeline_parallelism",
-        "num_layers_per_pipeline_stage",
-        "ici_data_parallelism",
-        "ici_fsdp_parallelism",
-        "ici_tensor_parallelism",
-        "ici_pipeline_parallelism",
-    ):
-        need(getattr(cfg, key) > 0, f"{key}={getattr(cfg, key)}: must be a positive integer")
-    if out:
-        return out  # the rules below divide by these
-
+    out.extend(bounds.derived_violations(cfg))
     for key, allowed in (
         ("dtype", DTYPES),
         ("weight_dtype", DTYPES),
@@ -255,14 +252,21 @@ def _violations(cfg: Config) -> list[str]:
             "the batch must be divisible by data x fsdp",
         )
 
-    for rule_name, target in cfg.logical_axis_rules:
+    for rule_name, target in cfg.logical_axis_rules[: bounds.MAX_RULES]:
         axes = target if isinstance(target, tuple) else (target,)
         for axis in axes:
             need(
                 axis is None or axis in MESH_AXES,
-                f"logical_axis_rules: {rule_name!r} -> {axis!r}: unknown mesh axis "
+                f"logical_axis_rules: {_short(rule_name)} -> {_short(axis)}: unknown mesh axis "
                 f"(mesh axes: {', '.join(MESH_AXES)})",
             )
+        twice = sorted({a for a in axes if a is not None and axes.count(a) > 1})
+        need(
+            not twice,
+            f"logical_axis_rules: {_short(rule_name)} -> {_short(list(axes))}: shards one "
+            f"tensor dimension over mesh axis {', '.join(map(repr, twice))} twice (a mesh axis "
+            "can shard a tensor once)",
+        )
 
     if cfg.using_pipeline:
         out.extend(_pipeline_violations(cfg))
@@ -277,6 +281,7 @@ def _pipeline_violations(cfg: Config) -> list[str]:
         f"S={s} (ici_pipeline_parallelism={cfg.ici_pipeline_parallelism} x "
         f"dcn_pipeline_parallelism={cfg.dcn_pipeline_parallelism})"
     )
+    out.extend(bounds.work_violations(cfg, stages_txt))
     if cfg.num_pipeline_microbatches != -1 and cfg.num_pipeline_microbatches <= 0:
         out.append(
             f"num_pipeline_microbatches={cfg.num_pipeline_microbatches}: "
@@ -345,17 +350,24 @@ def _coerce(key: str, value: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif field_type is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # PyYAML reads `1e-5` (no dot) as a string
+            number = value
+        elif isinstance(value, str) and len(value) < 100:  # PyYAML reads `1e-5` as a string
+            with contextlib.suppress(ValueError):
+                number = float(value)
+        if number is not None:
             try:
-                return float(value)
-            except ValueError:
-                pass
+                number = float(number)
+            except OverflowError:
+                number = math.inf
+            if not math.isfinite(number):
+                raise ConfigError(f"{key}={_short(value)}: must be a finite number")
+            return number
     elif field_type is str and isinstance(value, str):
         return value
     raise ConfigError(
-        f"{key}={value!r}: expected {_type_name(field_type)}, got {type(value).__name__}"
+        f"{key}={_short(value)}: expected {_type_name(field_type)}, got {type(value).__name__}"
     )
 
 
@@ -369,33 +381,35 @@ def _coerce_rules(value: Any) -> Rules:
     rules = []
     for i, pair in enumerate(value):
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], str)):
-            raise ConfigError(f"{message}; entry {i} is {pair!r}")
+            raise ConfigError(f"{message}; entry {i} is {_short(pair)}")
         name, target = pair
         if isinstance(target, (list, tuple)):
             if not all(isinstance(a, str) for a in target):
-                raise ConfigError(f"{message}; entry {i} is {pair!r}")
+                raise ConfigError(f"{message}; entry {i} is {_short(pair)}")
             target = tuple(target)
         elif target is not None and not isinstance(target, str):
-            raise ConfigError(f"{message}; entry {i} is {pair!r}")
+            raise ConfigError(f"{message}; entry {i} is {_short(pair)}")
         rules.append((name, target))
     return tuple(rules)
 
 
 def _check_known(keys: Iterable[str], source: str) -> None:
     for key in keys:
+        if not isinstance(key, str):
+            raise ConfigError(f"{source}: key {_short(key)} is not a string")
         if key not in _SETTABLE:
             close = difflib.get_close_matches(key, list(_SETTABLE), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"{source}: unknown key {key!r}{hint}")
+            raise ConfigError(f"{source}: unknown key {_short(key)}{hint}")
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        data = safe_load.load_yaml(safe_load.read_text(path, MAX_CONFIG_BYTES, "config"), str(path))
+    except safe_load.ParseError as e:
+        raise ConfigError(str(e)) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -413,9 +427,9 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
             raise ConfigError(f"override {item!r}: expected key=value")
         _check_known([key], "override")
         try:
-            parsed[key] = yaml.safe_load(raw) if raw else ""
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from None
+            parsed[key] = safe_load.load_yaml(raw, f"override {key}") if raw else ""
+        except safe_load.ParseError as e:
+            raise ConfigError(str(e)) from None
     return parsed
 
 
@@ -428,9 +442,32 @@ def from_dict(values: Mapping[str, Any], source: str = "config") -> Config:
     return Config(**{k: _coerce(k, v) for k, v in values.items()})
 
 
+# Schedule keys that weights do not depend on: reset when a layout change leaves them invalid.
+SCHEDULE_DEFAULTS = {"num_pipeline_microbatches": -1, "pipeline_delay_activation_forwarding": False}
+
+
+def with_changes(cfg: Config, changes: Mapping[str, Any]) -> Config:
+    """`cfg` with `changes`; schedule keys that no longer fit (M, delay) reset to defaults.
+
+    Weights do not depend on the schedule, so a re-staged layout (S=2 where the config says
+    S=4) need not also restate a microbatch count that fits it.
+    """
+    try:
+        return cfg.replace(**changes)
+    except ConfigError:
+        return cfg.replace(**{**SCHEDULE_DEFAULTS, **changes})
+
+
 def base_config_path(model_path: Path) -> Path:
     """`base.yml` beside the model YAML."""
     return model_path.parent / "base.yml"
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.samefile(b)
+    except OSError:  # missing, unreadable or looping: read (and report) each on its own
+        return False
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
@@ -438,7 +475,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     model_path = Path(path)
     base_path = base_config_path(model_path)
     values = _read_yaml(base_path)
-    if model_path.resolve() != base_path.resolve():
+    if not _same_file(model_path, base_path):
         values.update(_read_yaml(model_path))
     values.update(parse_overrides(overrides))
     return from_dict(values, source=str(model_path))
@@ -450,9 +487,11 @@ __all__ = [
     "MESH_AXES",
     "PRNG_IMPLS",
     "REMAT_POLICIES",
+    "SCHEDULE_DEFAULTS",
     "Config",
     "ConfigError",
     "from_dict",
     "load_config",
     "parse_overrides",
+    "with_changes",
 ]

@@ -18,11 +18,12 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from migrate.config import MESH_AXES, Config, Rules
+from migrate.errors import BadInput
 
 LogicalNames = tuple[str | None, ...]
 
 
-class MeshError(RuntimeError):
+class MeshError(BadInput, RuntimeError):
     """The mesh that a config asks for cannot be built from the devices present."""
 
 

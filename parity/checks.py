@@ -17,12 +17,27 @@ import jax
 import numpy as np
 from flax import nnx
 
-from migrate import convert, optim
+from migrate import convert, errors, optim
 from migrate import sharding as sharding_lib
 from migrate.config import Config
+from migrate.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_USAGE
+from migrate.layout import LayoutError
 from parity import compare, distributed, drilldown, hlo, hlo_diff, init_check, runs
 from parity.data import synthetic_batch
 from parity.runs import Run
+
+# A check's status and the exit status it gives the run (the largest over all checks wins):
+# `failed` is a real parity failure; `bad_input` a check that could not run on this input or
+# machine (out of memory, a config error found late); `errored` one that crashed (a bug).
+EXIT_STATUS = {
+    "passed": EXIT_PASS,
+    "failed": EXIT_FAIL,
+    "bad_input": EXIT_USAGE,
+    "errored": EXIT_INTERNAL,
+}
+# Exceptions that mean the twins differ (a check that raises one of these failed, it did not
+# crash): mismatching paths or names in the converter, layouts, trees of different shapes.
+PARITY_ERRORS = (convert.ConversionError, LayoutError, compare.TreeMismatch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +53,13 @@ class CheckResult:
     details: tuple[dict[str, Any], ...] = ()
     message: str = ""
     steps: tuple[dict[str, Any], ...] = ()  # per-step series (train), for the plot
+    status: str = ""  # a key of EXIT_STATUS; default: passed or failed, from `passed`
+
+    def __post_init__(self) -> None:
+        if not self.status:
+            object.__setattr__(self, "status", "passed" if self.passed else "failed")
+        if self.status not in EXIT_STATUS or (self.status == "passed") != self.passed:
+            raise ValueError(f"check {self.name}: status {self.status!r}, passed={self.passed}")
 
 
 class Session:
@@ -138,10 +160,17 @@ BUBBLE_POISON = float("nan")
 
 
 def errored(name: str, error: Exception) -> CheckResult:
-    """A check that raised: failed, with the error (converter errors list every path)."""
-    text = str(error)
+    """A check that raised. A `PARITY_ERRORS` exception (converter errors list every path) is a
+    failed check; bad input or a resource (out of memory) is `bad_input`; anything else is a
+    crash of the harness, `errored`, never reported as a parity failure."""
+    text = str(error)[:20_000]
     first_line = text.splitlines()[0] if text else ""
     where = text.splitlines()[1].strip(" -") if len(text.splitlines()) > 1 else first_line
+    if isinstance(error, PARITY_ERRORS):
+        status, message = "failed", f"{type(error).__name__}: {text[:4000]}"
+    else:
+        exit_status, _, message = errors.classify(error)
+        status = "bad_input" if exit_status == EXIT_USAGE else "errored"
     return CheckResult(
         name=name,
         passed=False,
@@ -149,7 +178,8 @@ def errored(name: str, error: Exception) -> CheckResult:
         value=float("inf"),
         tolerance=0.0,
         where=where[:300],
-        message=f"{type(error).__name__}: {text[:4000]}",
+        message=message,
+        status=status,
     )
 
 
@@ -452,7 +482,7 @@ def train(
     """`steps` AdamW steps on both twins from the same weights and optimizer state, with a
     forward-only evaluation before the first step and after the last. Per step: loss, gradient
     norm, every updated parameter and every optimizer-state leaf; the first diverging step is
-    named."""
+    named. `on_step(step, passed)` is called after each step."""
     cfg, mesh = session.cfg, session.mesh
     tol = compare.twin_tolerance(cfg)
     linen_params, linen_opt, linen_step, linen_eval = session.train_start("linen")
@@ -505,6 +535,8 @@ def train(
                 "passed": all(r["passed"] for r in step_records),
             }
         )
+        if on_step is not None:
+            on_step(step, per_step[-1]["passed"])
     evaluate("after")
     problems = []
     if steps and not losses[-1] < losses[0] + 1.0:

@@ -1,28 +1,39 @@
 """The `parity` command: does the NNX twin compute and shard exactly what Linen does?
 
     parity CONFIG [key=value ...] [--checks=a,b] [--steps=N] [--json=PATH] [--junit=PATH]
-                  [--plot=PATH] [--golden=DIR] [--update_golden]
+                  [--plot=PATH] [--golden=DIR] [--update_golden] [--nomemory_check] [--verbose]
                   [--num_processes=N [--timeout_s=S] | --coordinator_address=H:P --process_id=I]
+                  [--init_timeout_s=S] [--dry_run]
 
-Exit 0 when every check passes, 1 when any fails, 2 for usage or config errors (a message, no
-traceback); 3 when a local multi-process run lost a worker or timed out (`parity.launch`).
-JAX is imported only after the config is read, so that simulated CPU devices can be requested
-for the config's mesh first.
+Exit status (`migrate.errors`; the largest applies): 0 every check passed; 1 a check failed; 2
+bad input (usage, config, an output path, too little memory; a message, no traceback), also
+a check that could not run on this input or a report that could not be written; 3 a lost
+worker, an unreachable coordinator or a timed-out multi-process run; 4 an internal error (a
+check or the tool crashed; `--verbose` prints the traceback).
+
+Everything that needs no JAX is validated first: the config (bounds), the checks, the
+multi-process flags, the output paths (`--json/--junit/--plot/--golden`, and an existing golden
+file is read), the work of unrolled loops, and the memory the run needs at least. JAX is
+imported only then, after the simulated CPU devices for the config's mesh were requested.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from absl import app, flags, logging
 
-from migrate.config import ConfigError, load_config
+from migrate import cli_support, errors, memory
+from migrate.bounds import MAX_UNROLLED_LAYERS
+from migrate.config import Config, load_config
+from migrate.devices import ensure_simulated_devices
+from migrate.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_USAGE, BadInput
+from parity.outputs import Outputs  # no JAX
 
 CHECK_NAMES = (
     "roundtrip",
@@ -41,6 +52,8 @@ CHECK_NAMES = (
 # Run only when asked (or, for layers, by itself when forward or grads fails). `compile` is the
 # one check that never allocates weights: `--checks=compile` works for the 7B config.
 ON_REQUEST = ("layers", "compile", "efficiency")
+ABSTRACT_CHECKS = ("compile", "efficiency")  # compile from shapes: no weights allocated
+MAX_LOCAL_PROCESSES = 32
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
@@ -57,7 +70,8 @@ flags.DEFINE_string(
     "golden",
     None,
     "Directory of golden sharding reports: compare with "
-    "<DIR>/<model_name>.sharding.json (written when missing).",
+    "<DIR>/<model_name>.sharding.json (written when missing; the model name made a safe file "
+    "name).",
 )
 flags.DEFINE_boolean("update_golden", False, "Rewrite the golden sharding report.")
 flags.DEFINE_string(
@@ -90,6 +104,26 @@ flags.DEFINE_float(
     "Local launcher only: stop every worker and fail when the run takes longer.",
     lower_bound=1.0,
 )
+flags.DEFINE_float(
+    "init_timeout_s",
+    120.0,
+    "Multi-process runs: exit 3 when the coordinator cannot be reached, or not every process "
+    "joined, within this many seconds.",
+    lower_bound=1.0,
+    upper_bound=86400.0,
+)
+flags.DEFINE_boolean(
+    "memory_check",
+    True,
+    "Refuse (exit 2) a config whose lower-bound memory estimate exceeds the available memory.",
+)
+flags.DEFINE_boolean("verbose", False, "Print the traceback of an internal error.")
+flags.DEFINE_boolean(
+    "dry_run",
+    False,
+    "Validate the config, flags, output paths and memory estimate, print the plan, and exit 0 "
+    "without starting JAX or running a check.",
+)
 # The flags a launcher hands on to its workers (when given on its command line).
 WORKER_FLAGS = (
     "checks",
@@ -101,30 +135,42 @@ WORKER_FLAGS = (
     "update_golden",
     "compilation_cache_dir",
     "num_processes",
+    "init_timeout_s",
+    "memory_check",
+    "verbose",
 )
-
-EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
-
-
-def ensure_simulated_devices(count: int) -> None:
-    """Ask XLA for `count` host devices unless the flags already give enough (before jax)."""
-    if "jax" in sys.modules:
-        return
-    flags_now = os.environ.get("XLA_FLAGS", "")
-    found = re.search(r"--xla_force_host_platform_device_count=(\d+)", flags_now)
-    if found and int(found.group(1)) >= count:
-        return
-    flags_now = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags_now).strip()
-    os.environ["XLA_FLAGS"] = f"{flags_now} --xla_force_host_platform_device_count={count}".strip()
+EXIT_WORKER = errors.EXIT_WORKER
+__all__ = ["EXIT_FAIL", "EXIT_INTERNAL", "EXIT_PASS", "EXIT_USAGE", "EXIT_WORKER", "main", "run"]
 
 
 def usage_error(message: str) -> int:
-    print(f"parity: error: {message}", file=sys.stderr)
-    return EXIT_USAGE
+    return cli_support.error_line("parity", message)
 
 
 def progress(message: str) -> None:
     print(f"[parity] {message}", file=sys.stderr, flush=True)
+
+
+class StepProgress:
+    """`on_step` of the train check: prints the first steps, then at most every `every_s`
+    seconds, the last step, and every diverged step."""
+
+    def __init__(
+        self,
+        steps: int,
+        first: int = 3,
+        every_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.steps, self.first, self.every_s, self.clock = steps, first, every_s, clock
+        self.last_print = clock()
+
+    def __call__(self, step: int, passed: bool) -> None:
+        now = self.clock()
+        due = step < self.first or step + 1 == self.steps or now - self.last_print >= self.every_s
+        if due or not passed:
+            self.last_print = now
+            progress(f"train step {step + 1}/{self.steps}: {'ok' if passed else 'DIVERGED'}")
 
 
 def _select_checks() -> list[str] | str:
@@ -137,30 +183,93 @@ def _select_checks() -> list[str] | str:
     return selected
 
 
-def run(argv: Sequence[str]) -> int:
-    """The command body; returns the exit status."""
-    positional = list(argv[1:])
-    if not positional:
-        return usage_error("missing CONFIG (for example configs/llama2-tiny.yml)")
-    try:
-        cfg = load_config(positional[0], positional[1:])
-    except ConfigError as e:
-        return usage_error(str(e))
-    selected = _select_checks()
-    if isinstance(selected, str):
-        return usage_error(selected)
+def _plan(cfg: Config, selected: Sequence[str]) -> str:
+    return (
+        f"{cfg.model_name}: {cfg.num_devices} devices in {FLAGS.num_processes} process(es), "
+        f"S={cfg.num_stages} M={cfg.num_microbatches} R={cfg.num_repeats} "
+        f"L={cfg.layers_per_stage}; checks: {', '.join(selected)}"
+    )
+
+
+def _check_processes(cfg: Config) -> None:
     processes = FLAGS.num_processes
     if cfg.num_devices % processes:
-        return usage_error(
+        raise BadInput(
             f"--num_processes={processes} does not divide the mesh's {cfg.num_devices} devices"
         )
     if processes > 1 and FLAGS.process_id is None and FLAGS.coordinator_address is None:
+        if processes > MAX_LOCAL_PROCESSES:
+            raise BadInput(
+                f"--num_processes={processes}: the local launcher starts at most "
+                f"{MAX_LOCAL_PROCESSES} workers"
+            )
+    elif processes > 1 and (FLAGS.process_id is None or FLAGS.coordinator_address is None):
+        raise BadInput("a multi-process worker needs --coordinator_address and --process_id")
+    elif processes > 1:
+        from parity import coordinator  # no JAX
+
+        coordinator.check_worker_flags(processes, FLAGS.process_id, FLAGS.coordinator_address)
+
+
+def _outputs(model_name: str) -> Outputs:
+    return Outputs(
+        json=FLAGS.json,
+        junit=FLAGS.junit,
+        plot=FLAGS.plot,
+        golden=FLAGS.golden,
+        update_golden=FLAGS.update_golden,
+        model_name=model_name,
+    )
+
+
+def _check_work(cfg: Config, selected: Sequence[str]) -> None:
+    """Bounds on what the selected checks would trace or allocate, before JAX."""
+    if "efficiency" in selected and cfg.using_pipeline:
+        # The efficiency check traces both sides unrolled: every pipeline iteration's L
+        # layers, and the N layers of the reference.
+        unrolled = max(cfg.num_iterations * cfg.layers_per_stage, cfg.base_num_decoder_layers)
+        if unrolled > MAX_UNROLLED_LAYERS:
+            raise BadInput(
+                f"--checks=efficiency: traces {unrolled} layer applications unrolled (pipeline "
+                f"iterations {cfg.num_iterations} x L={cfg.layers_per_stage}, or "
+                f"N={cfg.base_num_decoder_layers}); at most {MAX_UNROLLED_LAYERS}"
+            )
+    allocating = [c for c in selected if c not in ABSTRACT_CHECKS]
+    if allocating and FLAGS.memory_check:
+        share = 1 / FLAGS.num_processes if FLAGS.process_id is not None else 1.0
+        memory.check_fits(memory.estimate(cfg, copies=2), share, f"--checks={','.join(allocating)}")
+
+
+def run(argv: Sequence[str]) -> int:
+    """The command body; returns the exit status. Bad input anywhere gives a one-line message
+    and EXIT_USAGE; other exceptions reach `cli_support.guarded` (in `main`)."""
+    try:
+        return _run(argv)
+    except BadInput as e:
+        return usage_error(str(e))
+
+
+def _run(argv: Sequence[str]) -> int:
+    positional = list(argv[1:])
+    if not positional:
+        return usage_error("missing CONFIG (for example configs/llama2-tiny.yml)")
+    cfg = load_config(positional[0], positional[1:])
+    selected = _select_checks()
+    if isinstance(selected, str):
+        return usage_error(selected)
+    _check_processes(cfg)
+    processes = FLAGS.num_processes
+    _check_work(cfg, selected)
+    reports = FLAGS.process_id in (None, 0)  # only process 0 writes reports
+    outputs = _outputs(cfg.model_name) if reports else None  # creates missing report folders
+    if FLAGS.dry_run:
+        print(f"{_plan(cfg, selected)}; memory {memory.estimate(cfg).describe()}")
+        return EXIT_PASS
+    if processes > 1 and FLAGS.process_id is None:
         from parity import launch  # the local launcher never imports JAX
 
         args = [*positional, *(FLAGS[n].serialize() for n in WORKER_FLAGS if FLAGS[n].present)]
         return launch.launch(args, processes, cfg.num_devices // processes, FLAGS.timeout_s)
-    if processes > 1 and (FLAGS.process_id is None or FLAGS.coordinator_address is None):
-        return usage_error("a multi-process worker needs --coordinator_address and --process_id")
     ensure_simulated_devices(cfg.num_devices // processes)
 
     import jax  # JAX starts here
@@ -168,99 +277,66 @@ def run(argv: Sequence[str]) -> int:
     from parity import distributed
 
     if processes > 1:
-        distributed.initialize(FLAGS.coordinator_address, processes, FLAGS.process_id)
+        distributed.initialize(
+            FLAGS.coordinator_address, processes, FLAGS.process_id, FLAGS.init_timeout_s
+        )
     if FLAGS.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
-    from migrate.sharding import MeshError
     from parity import checks, report
 
-    try:
-        session = checks.Session(cfg)
-    except MeshError as e:
-        return usage_error(str(e))
-    progress(
-        f"{cfg.model_name}: {cfg.num_devices} devices in {processes} process(es), "
-        f"S={cfg.num_stages} "
-        f"M={cfg.num_microbatches} R={cfg.num_repeats} L={cfg.layers_per_stage}; "
-        f"checks: {', '.join(selected)}"
-    )
+    session = checks.Session(cfg)
+    progress(_plan(cfg, selected))
     results, durations = [], []
 
-    def run_check(name: str) -> None:
+    def run_check(name: str, check: Callable[[], Any]) -> None:
+        cli_support.raise_if_interrupted()
         start = time.perf_counter()
         progress(f"{name} ...")
-        on_step = lambda s, ok: progress(
-            f"train step {s + 1}/{FLAGS.steps}: {'ok' if ok else 'DIVERGED'}"
-        )
         try:
-            if name == "train":
-                result = checks.train(session, FLAGS.steps, on_step=on_step)
-            else:
-                result = checks.CHECKS[name](session)
-        except Exception as e:  # a check that cannot even run is a failed check, not a crash
+            result = check()
+        except Exception as e:  # failed (parity), bad_input or errored: `checks.errored`
             result = checks.errored(name, e)
         durations.append(time.perf_counter() - start)
-        progress(f"{name}: {'PASS' if result.passed else 'FAIL'} ({durations[-1]:.1f}s)")
+        progress(f"{name}: {result.status.upper()} ({durations[-1]:.1f}s)")
+        if result.status in ("bad_input", "errored"):
+            progress(f"{name}: {result.message}")
         results.append(result)
 
     for name in selected:
-        run_check(name)
-    drill_down = any(r.name in ("forward", "grads") and not r.passed for r in results)
+        if name == "train":
+            on_step = StepProgress(FLAGS.steps)
+            run_check(name, lambda on_step=on_step: checks.train(session, FLAGS.steps, on_step))
+        else:
+            run_check(name, lambda name=name: checks.CHECKS[name](session))
+    drill_down = any(r.name in ("forward", "grads") and r.status == "failed" for r in results)
     if drill_down and "layers" not in selected:
         progress("forward or grads failed: drilling down per layer")
-        run_check("layers")
+        run_check("layers", lambda: checks.layers(session))
 
     main = distributed.is_main()  # only process 0 prints the table and writes reports
-    if FLAGS.golden:
-        results.append(_golden_result(checks, report, session, write=main))
-        durations.append(0.0)
+    if outputs is not None and outputs.golden is not None:
+        run_check("golden", lambda: outputs.golden_result(session, write=main))
+    status = max(checks.EXIT_STATUS[r.status] for r in results)
     if main:
         report.render_table(results, cfg)
-        if FLAGS.json:
-            report.write_json(results, cfg, FLAGS.json)
-        if FLAGS.junit:
-            report.write_junit(results, cfg, FLAGS.junit, durations)
-        if FLAGS.plot and not report.write_plot(results, cfg, FLAGS.plot):
-            progress("--plot: no train check ran, nothing to plot")
-    status = EXIT_PASS if all(r.passed for r in results) else EXIT_FAIL
+        if outputs is not None:
+            status = max(status, outputs.write(results, cfg, durations))
     return distributed.worst_status(status)
 
 
-def _golden_result(checks, report, session, write: bool = True):
-    path = Path(FLAGS.golden) / f"{session.cfg.model_name}.sharding.json"
-    current = report.golden_sharding(session)
-    if FLAGS.update_golden or not path.exists():
-        if write:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
-            progress(f"golden sharding report written: {path}")
-        return checks.CheckResult(
-            "golden", True, "differences", 0.0, 0.0, str(path), message="written"
-        )
-    differences = report.golden_differences(json.loads(path.read_text()), current)
-    for line in differences if write else ():
-        print(f"  golden {line}")
-    return checks.CheckResult(
-        "golden",
-        not differences,
-        "differences",
-        float(len(differences)),
-        0.0,
-        differences[0] if differences else str(path),
-        details=tuple({"difference": d, "passed": False} for d in differences),
-        message=f"compared with {path}"
-        + ("; rerun with --update_golden to accept" if differences else ""),
-    )
-
-
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point: every exception becomes its exit status (`migrate.errors`),
+    with one line on stderr (and the traceback under --verbose)."""
 
     def entry(argv: Sequence[str]) -> None:
         logging.set_verbosity(logging.WARNING)
-        sys.exit(run(argv))
+        verbose = lambda: FLAGS["verbose"].value
+        if not verbose():
+            cli_support.quiet_library_tracebacks()
+        status = cli_support.guarded("parity", lambda: run(argv), verbose)
+        cli_support.exit_now(status, distributed=FLAGS["process_id"].value is not None)
 
     app.run(entry, flags_parser=_parse_flags)
 
@@ -270,7 +346,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     try:
         return FLAGS(argv)
     except flags.Error as e:
-        print(f"parity: error: {e}", file=sys.stderr)
+        usage_error(str(e))
         sys.exit(EXIT_USAGE)
 
 

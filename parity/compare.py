@@ -94,10 +94,14 @@ def path_str(path: Iterable[Any]) -> str:
     return "/".join(parts)
 
 
+class TreeMismatch(ValueError):
+    """The twins' trees differ in structure or shape: a parity failure, not a crash."""
+
+
 def leaf_diff(path: str, actual: Any, expected: Any) -> LeafDiff:
     a, b = np.asarray(to_host(actual)), np.asarray(to_host(expected))
     if a.shape != b.shape:
-        raise ValueError(f"{path}: shapes differ: {a.shape} vs {b.shape}")
+        raise TreeMismatch(f"{path}: shapes differ: {a.shape} vs {b.shape}")
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     finite = np.isfinite(a64) & np.isfinite(b64)
     diff = np.abs(a64 - b64)[finite]
@@ -123,7 +127,7 @@ def compare_trees(actual: Any, expected: Any) -> list[LeafDiff]:
     flat_a, tree_a = jax.tree_util.tree_flatten_with_path(actual)
     flat_b, tree_b = jax.tree_util.tree_flatten_with_path(expected)
     if tree_a != tree_b:
-        raise ValueError(f"tree structures differ:\n  {tree_a}\n  {tree_b}")
+        raise TreeMismatch(f"tree structures differ:\n  {tree_a}\n  {tree_b}")
     return [leaf_diff(path_str(p), a, b) for (p, a), (_, b) in zip(flat_a, flat_b, strict=True)]
 
 

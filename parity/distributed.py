@@ -17,21 +17,38 @@ from typing import Any
 import jax
 import numpy as np
 
+from parity import coordinator
+
 # Test hooks, read by the workers only: worker 1 dies (exit 7) or hangs right after initialize.
 KILL_HOOK, HANG_HOOK = "PARITY_TEST_KILL_WORKER", "PARITY_TEST_HANG_WORKER"
-INIT_TIMEOUT_S = 120  # how long a worker waits for the others to reach the coordinator
+INIT_TIMEOUT_S = 120  # default: how long a worker waits for the others to reach the coordinator
 
 
-def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
-    """Join the distributed runtime (CPU collectives over gloo), then apply the test hooks."""
+def initialize(
+    coordinator_address: str,
+    num_processes: int,
+    process_id: int,
+    timeout_s: float = INIT_TIMEOUT_S,
+) -> None:
+    """Join the distributed runtime (CPU collectives over gloo), then apply the test hooks.
+
+    Bounded (`parity.coordinator`): a coordinator that does not answer, or processes that do not
+    all join within `timeout_s`, end this process with EXIT_WORKER and one line."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes,
-        process_id=process_id,
-        initialization_timeout=INIT_TIMEOUT_S,
-    )
-    jax.devices()  # the backend's global device exchange: every process must reach it
+    if process_id != 0:
+        coordinator.wait_reachable(coordinator_address, timeout_s)
+    what = f"joining {num_processes} processes at the coordinator {coordinator_address}"
+    with coordinator.deadline(timeout_s, what):
+        try:
+            jax.distributed.initialize(
+                coordinator_address=coordinator_address,
+                num_processes=num_processes,
+                process_id=process_id,
+                initialization_timeout=int(timeout_s) + coordinator.JAX_MARGIN_S,
+            )
+            jax.devices()  # the backend's global device exchange: every process must reach it
+        except Exception as e:  # the runtime could not start or connect: a lost coordinator
+            coordinator.lost(f"{what}: {type(e).__name__}: {str(e).strip()[:300]}")
     if process_id == 1 and os.environ.get(KILL_HOOK) == "1":
         print("[parity] test hook: worker 1 dies", file=sys.stderr, flush=True)
         os._exit(7)

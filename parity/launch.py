@@ -6,8 +6,10 @@ coordinator on 127.0.0.1 at a free port, in its own process group, with
 Their output is streamed with a `[worker i]` prefix. The launcher exits with the worst status:
 
 - every worker exited 0, 1 or 2: the largest of those;
-- a worker died (a signal, or any other status): EXIT_WORKER at once, naming it; the others
-  are stopped (they cannot finish without it);
+- a worker ended with an internal error (4): EXIT_INTERNAL at once, naming it; the others are
+  stopped (they cannot finish without it);
+- a worker died (a signal, or any other status, 3 included): EXIT_WORKER at once, naming it;
+  the others are stopped;
 - a worker ended normally but others still run GRACE_S later, or the run outlasts
   `timeout_s`: EXIT_WORKER, naming the workers still running and how long each was silent.
 
@@ -33,7 +35,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-EXIT_WORKER = 3  # a worker crashed, was stopped, or the run timed out
+from migrate.errors import EXIT_INTERNAL, EXIT_WORKER
+
 GRACE_S = 30.0  # how long the others may run on after one worker ended with 0, 1 or 2
 KILL_AFTER_S = 5.0  # SIGTERM -> SIGKILL
 NORMAL = (0, 1, 2)
@@ -136,11 +139,14 @@ def _supervise(workers: list[Worker], timeout_s: float) -> int:
         for w, status in zip(workers, statuses, strict=True):
             if status is not None and status not in NORMAL:
                 running = [o.name for o, s in zip(workers, statuses, strict=True) if s is None]
+                internal = status == EXIT_INTERNAL
                 _log(
-                    f"error: {w.name} {_describe(status)}; stopping "
+                    f"error: {w.name} {_describe(status)}"
+                    + (" (an internal error)" if internal else "")
+                    + "; stopping "
                     + (", ".join(running) or "nothing (all ended)")
                 )
-                return EXIT_WORKER
+                return EXIT_INTERNAL if internal else EXIT_WORKER
         if all(s is not None for s in statuses):
             return max(statuses)
         now = time.monotonic()

@@ -1,12 +1,15 @@
 """Renderers for check results: terminal table, JSON, JUnit XML, PNG plot. Only this prints.
 
 The JSON schema is versioned (`JSON_SCHEMA_VERSION`) and documented in docs/report-schema.md.
+Text from configs and errors is printed as it is where it can be encoded and escaped where it
+cannot (`printable`); file names derived from a config (`file_stem`) stay inside their folder.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
@@ -19,6 +22,32 @@ from rich.table import Table
 from migrate.config import Config
 
 JSON_SCHEMA_VERSION = 1
+VERDICTS = {
+    "passed": "[green]PASS[/green]",
+    "failed": "[bold red]FAIL[/bold red]",
+    "bad_input": "[bold magenta]ERROR[/bold magenta]",
+    "errored": "[bold magenta]ERROR[/bold magenta]",
+}
+
+
+def printable(text: str) -> str:
+    """`text` with what UTF-8 cannot encode (lone surrogates from undecodable bytes)
+    backslash-escaped, so that printing or writing it never raises."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def file_stem(name: str) -> str:
+    """`name` as one safe file name: characters other than letters, digits, `.`, `_`, `+`
+    and `-` become `_`, and it never starts with a dot (`../x` -> `_.._x`)."""
+    stem = re.sub(r"[^A-Za-z0-9._+-]", "_", name)[:200] or "_"
+    return f"_{stem}" if stem.startswith(".") else stem
+
+
+def golden_path(directory: str | Path, model_name: str) -> Path:
+    """The golden sharding report of `model_name` in `directory`, always directly inside it."""
+    path = Path(directory) / f"{file_stem(model_name)}.sharding.json"
+    assert path.parent == Path(directory), path
+    return path
 
 
 def _fmt(value: float) -> str:
@@ -33,19 +62,24 @@ def render_table(results: Sequence[Any], cfg: Config, console: Console | None = 
     """check | verdict | worst error | tolerance | where; then each check's note."""
     # CI logs are not terminals: give the table room instead of rich's 80-column default.
     console = console or Console(width=None if sys.stdout.isatty() else 160)
-    table = Table(title=f"parity: {cfg.model_name}")
+    table = Table(title=printable(f"parity: {cfg.model_name}"))
     table.add_column("check")
     table.add_column("verdict")
     table.add_column("worst error")
     table.add_column("tolerance")
     table.add_column("where", overflow="fold")
     for r in results:
-        verdict = "[green]PASS[/green]" if r.passed else "[bold red]FAIL[/bold red]"
-        table.add_row(r.name, verdict, f"{r.metric}={_fmt(r.value)}", _fmt(r.tolerance), r.where)
+        table.add_row(
+            r.name,
+            VERDICTS[r.status],
+            f"{r.metric}={_fmt(r.value)}",
+            _fmt(r.tolerance),
+            printable(r.where),
+        )
     console.print(table)
     for r in results:
         if r.message:
-            console.print(f"  {r.name}: {r.message}", soft_wrap=True)
+            console.print(printable(f"  {r.name}: {r.message}"), soft_wrap=True, markup=False)
 
 
 def to_json(results: Sequence[Any], cfg: Config) -> dict[str, Any]:
@@ -58,6 +92,7 @@ def to_json(results: Sequence[Any], cfg: Config) -> dict[str, Any]:
             {
                 "name": r.name,
                 "passed": r.passed,
+                "status": r.status,
                 "worst": {
                     "metric": r.metric,
                     "value": r.value,
@@ -90,8 +125,8 @@ def write_junit(
         "testsuite",
         name=f"parity.{cfg.model_name}",
         tests=str(len(results)),
-        failures=str(sum(not r.passed for r in results)),
-        errors="0",
+        failures=str(sum(r.status == "failed" for r in results)),
+        errors=str(sum(r.status in ("bad_input", "errored") for r in results)),
         time=f"{sum(durations):.3f}",
     )
     for r, seconds in zip(results, durations, strict=True):
@@ -102,16 +137,20 @@ def write_junit(
             name=r.name,
             time=f"{seconds:.3f}",
         )
-        if not r.passed:
+        if r.status == "failed":
             failure = ET.SubElement(
                 case,
                 "failure",
-                message=(
+                message=printable(
                     f"{r.metric}={_fmt(r.value)} > tolerance {_fmt(r.tolerance)} at {r.where}"
                 ),
             )
             failing = [d for d in r.details if not d.get("passed", True)][:20]
-            failure.text = "\n".join([r.message, *(json.dumps(d, default=str) for d in failing)])
+            failure.text = printable(
+                "\n".join([r.message, *(json.dumps(d, default=str) for d in failing)])
+            )
+        elif r.status != "passed":  # the check could not run: a JUnit error, not a failure
+            ET.SubElement(case, "error", message=printable(r.message[:2000]), type=r.status)
     tree = ET.ElementTree(root)
     ET.indent(tree)
     tree.write(path, encoding="unicode", xml_declaration=True)
@@ -142,9 +181,9 @@ def write_plot(results: Sequence[Any], cfg: Config, path: str | Path) -> bool:
     err_ax.legend()
     for ax in (loss_ax, err_ax):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.suptitle(f"parity train: {cfg.model_name}")
+    fig.suptitle(printable(f"parity train: {cfg.model_name}"))
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")  # exactly `path`, whatever its suffix
     plt.close(fig)
     return True
 

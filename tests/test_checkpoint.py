@@ -396,9 +396,16 @@ def test_destination_safety(linen_ckpt, tmp_path):
         checkpoint.convert_checkpoint(linen_ckpt, dst, cfg, "linen", "nnx")
     assert (dst / "keep.txt").read_text() == "mine"
 
-    checkpoint.convert_checkpoint(linen_ckpt, dst, cfg, "linen", "nnx", force=True)
-    assert not (dst / "keep.txt").exists() and (dst / "meta").is_dir()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
+    # --force replaces only a checkpoint this tool wrote, never a directory of other files.
+    with pytest.raises(CheckpointError, match=r"not a checkpoint this tool wrote.*even with"):
+        checkpoint.convert_checkpoint(linen_ckpt, dst, cfg, "linen", "nnx", force=True)
+    assert [p.name for p in dst.iterdir()] == ["keep.txt"]
+    assert (dst / "keep.txt").read_text() == "mine"
+    ours = tmp_path / "ours"
+    checkpoint.convert_checkpoint(linen_ckpt, ours, cfg, "linen", "nnx")
+    checkpoint.convert_checkpoint(linen_ckpt, ours, cfg, "linen", "nnx", force=True)
+    assert checkpoint.read_meta(ours)["framework"] == "nnx"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "ours"]  # no staging left
 
     for bad in (linen_ckpt, linen_ckpt / "inner", linen_ckpt.parent):
         with pytest.raises(CheckpointError, match="must not be, contain or lie inside"):

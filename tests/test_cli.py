@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import CONFIG_DIR, TINY_CONFIGS
 
+from migrate import devices
 from parity import cli, report
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,10 +70,13 @@ def test_simulated_devices_are_requested_before_jax(monkeypatch):
     monkeypatch.setitem(sys.modules, "jax", None)  # pretend JAX is not imported yet
     del sys.modules["jax"]
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=4")
-    cli.ensure_simulated_devices(16)
+    devices.ensure_simulated_devices(16)
     assert os.environ["XLA_FLAGS"] == ("--xla_cpu_foo=1 --xla_force_host_platform_device_count=16")
-    cli.ensure_simulated_devices(8)  # already enough: unchanged
+    devices.ensure_simulated_devices(8)  # already enough: unchanged
     assert os.environ["XLA_FLAGS"].endswith("=16")
+    with pytest.raises(devices.DeviceCountError, match="at most 512 simulated CPU devices"):
+        devices.ensure_simulated_devices(devices.MAX_SIMULATED_DEVICES + 1)
+    assert os.environ["XLA_FLAGS"].endswith("=16")  # unchanged
 
 
 def test_golden_diff_lists_per_key_differences():
@@ -107,6 +111,8 @@ def test_full_parity_run_passes_on_every_tiny_config(name, tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "PASS" in result.stdout and "FAIL" not in result.stdout
+    for step in (1, 2, 3):  # the train check reports every step (3 are the first few)
+        assert f"[parity] train step {step}/3: ok" in result.stderr
     data = json.loads(json_path.read_text())
     assert data["version"] == report.JSON_SCHEMA_VERSION and data["passed"] is True
     assert data["config"] == name

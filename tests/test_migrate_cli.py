@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -147,18 +148,24 @@ def test_failed_verification_exits_1_and_writes_nothing(nnx_ckpt, tmp_path, caps
     assert list(tmp_path.iterdir()) == []
 
 
-def test_devices_needed_follow_the_source_layout_and_the_overrides(tmp_path):
-    """Counted before JAX starts: the config, then the layout the source records, then the
-    overrides."""
-    values = load_config(CONFIG_DIR / "llama2-tiny.yml").to_dict()
-    assert cli.devices_needed(values, {}, None) == 8  # stage 4 x fsdp 2
-    assert cli.devices_needed(values, {"ici_pipeline_parallelism": 2}, None) == 4
-    (tmp_path / "meta").mkdir()
-    recorded = {"layout_keys": {"ici_pipeline_parallelism": 1}}
-    (tmp_path / "meta" / "metadata").write_text(json.dumps(recorded))
-    assert cli.devices_needed(values, {}, str(tmp_path)) == 2
-    assert cli.devices_needed(values, {"ici_fsdp_parallelism": 4}, str(tmp_path)) == 4
-    assert cli.devices_needed(values, {}, str(tmp_path / "missing")) == 8
+def test_devices_follow_the_source_layout_and_the_overrides(nnx_ckpt, tmp_path):
+    """Counted before JAX starts: the config, then the layout the source's validated meta
+    records, then the overrides."""
+    cfg = load_config(CONFIG_DIR / "llama2-tiny.yml")
+    devices_needed = lambda changes, src: cli.target_config(cfg, changes, src).num_devices
+    assert devices_needed({}, None) == 8  # stage 4 x fsdp 2
+    restaged = {"ici_pipeline_parallelism": 2, "num_pipeline_repeats": 4}
+    assert devices_needed(restaged, None) == 4
+    src = tmp_path / "src"
+    shutil.copytree(nnx_ckpt, src)
+    meta_file = src / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["layout_keys"]["ici_pipeline_parallelism"] = 1
+    meta_file.write_text(json.dumps(meta))
+    assert devices_needed({}, str(src)) == 2
+    assert devices_needed({"ici_fsdp_parallelism": 4}, str(src)) == 4
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint there"):
+        devices_needed({}, str(tmp_path / "missing"))
 
 
 def test_console_script_flag_errors_exit_2_before_jax(tmp_path):

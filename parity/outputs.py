@@ -1,0 +1,120 @@
+"""The report files of a `parity` run: checked before any check runs, written after the last.
+
+A path that cannot be written (a directory, a parent that is a file, a read-only folder, a
+broken link) is refused up front with exit 2; missing parent folders are created then. An
+existing golden file is read and checked up front too. A report that still cannot be written
+at the end is named on stderr and gives exit 2; the verdict table is already on stdout. The
+golden file's name comes from the model name made a safe file name (`report.file_stem`). No
+JAX here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from migrate import cli_support, errors, safe_load
+from migrate.config import Config
+from migrate.errors import EXIT_PASS, BadInput
+from parity import report
+
+MAX_GOLDEN_BYTES = 64 << 20
+
+
+def read_golden(path: Path) -> dict[str, Any]:
+    """A golden sharding report: parameter -> {names, shape, spec}; anything else is BadInput."""
+    data = safe_load.load_json_file(path, MAX_GOLDEN_BYTES, "golden file")
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise BadInput(
+            f"golden file {path}: not a golden sharding report (a mapping of parameter -> "
+            "names, shape, spec); rerun with --update_golden to rewrite it"
+        )
+    return data
+
+
+def _progress(message: str) -> None:
+    print(f"[parity] {message}", file=sys.stderr, flush=True)
+
+
+class Outputs:
+    """The requested report paths (None where not requested), checked on construction."""
+
+    def __init__(
+        self,
+        json: str | None,
+        junit: str | None,
+        plot: str | None,
+        golden: str | None,
+        update_golden: bool,
+        model_name: str,
+    ) -> None:
+        check = cli_support.check_output_file
+        self.json = check(json, "--json") if json else None
+        self.junit = check(junit, "--junit") if junit else None
+        self.plot = check(plot, "--plot") if plot else None
+        if self.plot and importlib.util.find_spec("matplotlib") is None:
+            raise BadInput("--plot needs matplotlib: install the package's `plot` extra")
+        self.golden: Path | None = None
+        self.golden_data: dict[str, Any] | None = None
+        if golden:
+            directory = cli_support.ensure_directory(Path(golden), "--golden")
+            self.golden = report.golden_path(directory, model_name)
+            if not update_golden and (self.golden.exists() or self.golden.is_symlink()):
+                self.golden_data = read_golden(self.golden)
+            elif self.golden.is_dir():
+                raise BadInput(f"--golden: {self.golden} is a directory")
+
+    def write(self, results: Sequence[Any], cfg: Config, durations: Sequence[float]) -> int:
+        """Each requested report; the exit status of those that could not be written (named
+        on stderr), EXIT_PASS when all were."""
+        status = EXIT_PASS
+        writers = (
+            ("--json", self.json, lambda p: report.write_json(results, cfg, p)),
+            ("--junit", self.junit, lambda p: report.write_junit(results, cfg, p, durations)),
+            ("--plot", self.plot, lambda p: report.write_plot(results, cfg, p)),
+        )
+        for flag, path, write in writers:
+            if path is None:
+                continue
+            try:
+                if write(path) is False:
+                    _progress(f"{flag}: no train check ran, nothing to plot")
+            except Exception as e:
+                code, _, message = errors.classify(e)
+                status = max(status, code)
+                cli_support.error_line(
+                    "parity", f"{flag}: the report {path} was not written ({message})"
+                )
+        return status
+
+    def golden_result(self, session: Any, write: bool) -> Any:
+        """The `golden` check: the current sharding report against the golden file (written
+        when there is none, or with --update_golden). `write`: this process writes and prints."""
+        from parity import checks  # JAX
+
+        path, current = self.golden, report.golden_sharding(session)
+        if self.golden_data is None:
+            if write:
+                path.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
+                _progress(f"golden sharding report written: {path}")
+            return checks.CheckResult(
+                "golden", True, "differences", 0.0, 0.0, str(path), message="written"
+            )
+        differences = report.golden_differences(self.golden_data, current)
+        for line in differences if write else ():
+            print(report.printable(f"  golden {line}"))
+        return checks.CheckResult(
+            "golden",
+            not differences,
+            "differences",
+            float(len(differences)),
+            0.0,
+            differences[0] if differences else str(path),
+            details=tuple({"difference": d, "passed": False} for d in differences),
+            message=f"compared with {path}"
+            + ("; rerun with --update_golden to accept" if differences else ""),
+        )
