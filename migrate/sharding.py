@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
+from migrate import axes
 from migrate.config import MESH_AXES, Config, Rules
 
 LogicalNames = tuple[str | None, ...]
@@ -78,6 +79,11 @@ def named_sharding(names: LogicalNames, mesh: Mesh, rules: Rules) -> NamedShardi
     return NamedSharding(mesh, logical_to_spec(names, rules))
 
 
+def batch_sharding(cfg: Config, mesh: Mesh) -> NamedSharding:
+    """The sharding of token batches `[B, T]`: rows over the batch axes (`activation_batch`)."""
+    return named_sharding(axes.BATCH_LENGTH, mesh, cfg.logical_axis_rules)
+
+
 def without_mesh_axis(spec: PartitionSpec, axis: str) -> PartitionSpec:
     """`spec` with mesh axis `axis` removed from every entry (that dimension is gathered)."""
     entries = []
@@ -90,6 +96,17 @@ def without_mesh_axis(spec: PartitionSpec, axis: str) -> PartitionSpec:
         else:
             entries.append(entry)
     return PartitionSpec(*entries)
+
+
+def gathered_over_fsdp(names: LogicalNames, mesh: Mesh, cfg: Config) -> NamedSharding:
+    """The sharding of a weight with logical `names`, gathered over `fsdp` for use (FSDP).
+
+    The pipeline gathers each stage's weights explicitly for its visit: left to choose, XLA
+    (jax 0.10.2 and 0.12) instead reorders batch shards split over (data, fsdp), and with
+    tensor parallelism as well it returns rows of the wrong shards (tests/test_sharding.py).
+    """
+    spec = logical_to_spec(tuple(names), logical_rules(cfg))
+    return NamedSharding(mesh, without_mesh_axis(spec, "fsdp"))
 
 
 def constrain(x: jax.Array, names: LogicalNames, mesh: Mesh, rules: Rules) -> jax.Array:

@@ -124,13 +124,21 @@ class Pipeline(nn.Module):
         )
 
     def run_stages(self, weights, stage_inputs, stage_positions, repeat_ids) -> jax.Array:
-        """Every stage applies its layers (for its current repeat) to its input, in parallel."""
+        """Every stage applies its layers (for its current repeat) to its input, in parallel,
+        with that repeat's weights gathered over `fsdp` for the visit."""
         cfg = self.config
         stage = StageLayers(cfg, self.mesh, parent=None)
+        stacked = 2 if cfg.num_repeats > 1 else 1  # [R,] S leading axes, gone inside one_stage
+        gathered = jax.tree.map(
+            lambda names: sharding.gathered_over_fsdp(names[stacked:], self.mesh, cfg),
+            nn.get_partition_spec(self.variables["params"]["layers"]),
+            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
+        )
 
         def one_stage(stage_weights, x, pos, repeat):
             if cfg.num_repeats > 1:
                 stage_weights = jax.tree.map(lambda w: w[repeat], stage_weights)
+            stage_weights = jax.tree.map(jax.lax.with_sharding_constraint, stage_weights, gathered)
             return stage.apply({"params": stage_weights}, x, pos)
 
         weight_axis = 1 if cfg.num_repeats > 1 else 0
