@@ -108,11 +108,11 @@ def _dense_over_data_fsdp_tensor(gather_weight: bool) -> tuple[np.ndarray, np.nd
 
 
 def test_xla_contract_fsdp_weights_are_gathered_before_use():
-    """The XLA fact behind `sharding.gathered_over_fsdp`, which the pipeline applies to every
-    stage's weights (on jax 0.10.2 and 0.12, Shardy or not): left to choose, XLA reorders the
-    (data, fsdp) row shards and returns rows 2..5 from the wrong devices; with the weight
-    gathered over fsdp first, the result is right. When the first assertion fails, XLA has
-    been fixed and the explicit gather is a choice rather than a workaround."""
+    """The XLA fact behind `sharding.stage_weights_need_gathering` (jax 0.10.2 and 0.12):
+    left to choose, XLA reshards the (data, fsdp) row shards by swapping the equal-sized fsdp
+    and tensor axes and returns rows 2..5 from the wrong devices; with the weight gathered over
+    fsdp first, the result is right. When the first assertion fails, XLA has been fixed and
+    the pipeline's explicit gather can go."""
     free, expected = _dense_over_data_fsdp_tensor(gather_weight=False)
     wrong_rows = np.abs(free - expected).max(axis=(1, 2)) > 1e-3
     assert wrong_rows.tolist() == [False, False, True, True, True, True, False, False]
@@ -120,9 +120,11 @@ def test_xla_contract_fsdp_weights_are_gathered_before_use():
     np.testing.assert_allclose(gathered, expected, rtol=1e-5, atol=1e-4)
 
 
-def test_pipeline_stage_weights_are_gathered_over_fsdp_only():
+def test_pipeline_gathers_stage_weights_over_fsdp_only_on_fsdp_x_tensor_meshes():
     cfg = tiny("llama2-tiny-4d")
-    mesh = sharding.abstract_mesh(cfg)
-    spec = sharding.gathered_over_fsdp(("embed", "mlp"), mesh, cfg).spec
     assert sharding.logical_to_spec(("embed", "mlp"), cfg.logical_axis_rules) == P("fsdp", "tensor")
-    assert spec == P(None, "tensor")
+    gathered = sharding.gathered_over_fsdp(("embed", "mlp"), sharding.abstract_mesh(cfg), cfg)
+    assert gathered.spec == P(None, "tensor")
+    assert sharding.stage_weights_need_gathering(cfg)
+    for name in ("llama2-tiny", "llama2-tiny-tp", "llama2-7b"):
+        assert not sharding.stage_weights_need_gathering(tiny(name))
