@@ -55,7 +55,11 @@ def measure(name: str, overrides: list[str], seeds: list[int]) -> dict[str, floa
                 fn = checks.CHECKS[check]
                 result = checks.train(session, steps=3) if check == "train" else fn(session)
                 row[check] = result.value
-            row["efficiency"] = checks.efficiency(session).value
+            efficiency = checks.efficiency(session)
+            row["efficiency"] = efficiency.value
+            row["loop elementwise"] = (
+                efficiency.details[0]["loop_elementwise_overhead"] if efficiency.details else 0.0
+            )
     row["tier"] = compare.reshaped_tolerance(cfg).max_rel
     return row
 
@@ -71,13 +75,15 @@ def main() -> None:
     print(f"jax {jax.__version__}, seeds {args.seeds}\n")
     parts = " | ".join(checks.PIPELINE_PARTS)
     twins = " | ".join(TWIN_CHECKS)
-    print(f"| config | pipeline: {parts} | pipeline tier | {twins} | efficiency |")
-    print("| --- |" + " ---: |" * (len(checks.PIPELINE_PARTS) + len(TWIN_CHECKS) + 2))
+    print(
+        f"| config | pipeline: {parts} | pipeline tier | {twins} | efficiency | loop elementwise |"
+    )
+    print("| --- |" + " ---: |" * (len(checks.PIPELINE_PARTS) + len(TWIN_CHECKS) + 3))
     for name, overrides in runs:
         row = measure(name, overrides, args.seeds)
         cells = [f"{row[f'pipeline/{p}']:.2e}" for p in checks.PIPELINE_PARTS]
         cells += [f"{row['tier']:.2e}"] + [f"{row[c]:.0e}" for c in TWIN_CHECKS]
-        cells += [f"{row['efficiency']:.0e}"]
+        cells += [f"{row['efficiency']:.0e}", f"{row['loop elementwise']:.2%}"]
         print(f"| {' '.join([name, *overrides])} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from migrate import convert, schedule
+from migrate import convert, numerics, schedule
 from migrate.config import Config
 from migrate.linen import layers as linen_layers
 from migrate.linen import pipeline as linen_pipeline
@@ -115,7 +115,8 @@ def layer_records(session, tol: compare.Tolerance) -> list[dict]:
     params, names = convert.strip_boxes(host["params"])
     tokens = session.batch["inputs"]
     table = distributed.replicate(params["token_embedder"]["embedding"], mesh)
-    x = jnp.take(jnp.asarray(table), tokens, axis=0)
+    # As the decoder's Embed: the looked-up rows in the activation dtype.
+    x = jnp.take(jnp.asarray(table), tokens, axis=0).astype(numerics.activation_dtype(cfg))
     positions = distributed.replicate(
         jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape), mesh
     )
@@ -182,6 +183,7 @@ def iteration_records(session, tol: compare.Tolerance) -> list[dict]:
     tokens = session.batch["inputs"]
     table = linen_vars["params"]["token_embedder"]["embedding"]
     x = jnp.take(table.value if hasattr(table, "value") else table, tokens, axis=0)
+    x = x.astype(numerics.activation_dtype(cfg))
     positions = distributed.replicate(
         jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape), mesh
     )
