@@ -43,14 +43,16 @@ def pipeline_parts(session: checks.Session) -> dict[str, float]:
     }
 
 
-def measure(name: str, overrides: list[str], seeds: list[int]) -> dict[str, float]:
+def measure(
+    name: str, overrides: list[str], seeds: list[int], pipeline_only: bool = False
+) -> dict[str, float]:
     cfg = load_config(CONFIG_DIR / f"{name}.yml", overrides)
     row: dict[str, float] = {}
     for seed in seeds:
         session = checks.Session(cfg.replace(seed=seed))
         for part, value in pipeline_parts(session).items():
             row[f"pipeline/{part}"] = max(row.get(f"pipeline/{part}", 0.0), value)
-        if seed == seeds[0]:
+        if seed == seeds[0] and not pipeline_only:
             for check in TWIN_CHECKS:
                 fn = checks.CHECKS[check]
                 result = checks.train(session, steps=3) if check == "train" else fn(session)
@@ -69,8 +71,16 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
     parser.add_argument("--variant", action="append", default=[], help="'CONFIG key=value ...'")
+    parser.add_argument(
+        "--pipeline_only",
+        action="store_true",
+        help="measure only pipeline vs reference (the twin and efficiency columns read 0)",
+    )
+    parser.add_argument(
+        "--overrides", nargs="*", default=[], help="key=value applied to every config"
+    )
     args = parser.parse_args()
-    runs = [(name, []) for name in args.configs]
+    runs = [(name, list(args.overrides)) for name in args.configs]
     runs += [(v.split()[0], v.split()[1:]) for v in args.variant]
     print(f"jax {jax.__version__}, seeds {args.seeds}\n")
     parts = " | ".join(checks.PIPELINE_PARTS)
@@ -80,10 +90,14 @@ def main() -> None:
     )
     print("| --- |" + " ---: |" * (len(checks.PIPELINE_PARTS) + len(TWIN_CHECKS) + 3))
     for name, overrides in runs:
-        row = measure(name, overrides, args.seeds)
+        row = measure(name, overrides, args.seeds, args.pipeline_only)
         cells = [f"{row[f'pipeline/{p}']:.2e}" for p in checks.PIPELINE_PARTS]
-        cells += [f"{row['tier']:.2e}"] + [f"{row[c]:.0e}" for c in TWIN_CHECKS]
-        cells += [f"{row['efficiency']:.0e}", f"{row['loop elementwise']:.2%}"]
+        cells += [f"{row['tier']:.2e}"]
+        if args.pipeline_only:
+            cells += ["-"] * (len(TWIN_CHECKS) + 2)
+        else:
+            cells += [f"{row[c]:.0e}" for c in TWIN_CHECKS]
+            cells += [f"{row['efficiency']:.0e}", f"{row['loop elementwise']:.2%}"]
         print(f"| {' '.join([name, *overrides])} | " + " | ".join(cells) + " |", flush=True)
 
 
