@@ -604,6 +604,7 @@ def compile_cost(session: Session) -> CheckResult:
                 "ratio": ratio,
                 "max_rel": max(ratio - 1.0, 0.0),
                 "passed": not gated or ratio <= 1.0 + COST_TOLERANCE,
+                "gated": gated,
             }
         )
     for kind in hlo.COLLECTIVES:
@@ -619,7 +620,9 @@ def compile_cost(session: Session) -> CheckResult:
             }
         )
     failing = [r for r in records if not r["passed"]]
-    worst = failing[0] if failing else max(records, key=lambda r: r["max_rel"])
+    # The worst of what is gated: compile time and bytes accessed are reported, not held.
+    gated = [r for r in records if r.get("gated", True)]
+    worst = failing[0] if failing else max(gated, key=lambda r: r["max_rel"])
     same_program = linen_cost.program == nnx_cost.program
     records.append(
         {
