@@ -19,7 +19,8 @@ STAGE = "layers"  # the pipeline's stage axis (mapped to the `stage` mesh axis b
 CIRCULAR_REPEATS = "circular_repeats"
 LAYERS_PER_STAGE = "layers_per_stage"
 
-# Activations.
+# Activations (and token batches, `[B, T]`).
+BATCH_LENGTH = ("activation_batch", "activation_length")
 BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embed")
 BATCH_LENGTH_HEADS_KV = (
     "activation_batch",

@@ -329,7 +329,10 @@ def forward(session: Session) -> CheckResult:
 
 def grads(session: Session) -> CheckResult:
     """Every gradient leaf, NNX against Linen (mapped through the converter)."""
-    return _framework_pair(session, ("grads",), "grads")
+    return _framework_pair(session, ("grads", "grad_norm"), "grads")
+
+
+PIPELINE_PARTS = ("loss", "logits", "grads", "grad_norm")
 
 
 def pipeline(session: Session) -> CheckResult:
@@ -351,7 +354,9 @@ def pipeline(session: Session) -> CheckResult:
         pipelined = session.run(framework, "linen").to_reference_layout(cfg)
         reference = session.run(framework, "linen", use_pipeline=False)
         named |= {f"{framework} pipelined": pipelined, f"{framework} reference": reference}
-        records += compare_runs(f"{framework}/", pipelined, reference, tol)
+        # grad_norm: the global norm clipping uses, computed on device from the gradients as
+        # sharded over stage, fsdp and tensor, must equal the unpipelined reference's.
+        records += compare_runs(f"{framework}/", pipelined, reference, tol, PIPELINE_PARTS)
     return _result("pipeline", records, tol, _vacuity(cfg, named), worst_first=True)
 
 
@@ -643,25 +648,7 @@ def sharding(session: Session) -> CheckResult:
         )
 
     linen_compiled, nnx_compiled = session.own_train_step("linen"), session.own_train_step("nnx")
-    for side in ("input", "output"):
-        linen_sh = jax.tree.leaves(getattr(linen_compiled, f"{side}_shardings"))
-        nnx_sh = jax.tree.leaves(getattr(nnx_compiled, f"{side}_shardings"))
-        linen_avals = jax.tree.leaves(_avals(linen_compiled, side))
-        if len(linen_sh) != len(nnx_sh):
-            records.append(
-                sharding_record(f"train step {side}s: count", False, len(linen_sh), len(nnx_sh))
-            )
-            continue
-        for i, (a, b, aval) in enumerate(zip(linen_sh, nnx_sh, linen_avals, strict=False)):
-            ndim = len(aval.shape)
-            records.append(
-                sharding_record(
-                    f"train step {side} {i}",
-                    a.is_equivalent_to(b, ndim),
-                    getattr(a, "spec", a),
-                    getattr(b, "spec", b),
-                )
-            )
+    records += train_step_sharding_records(session, linen_compiled, nnx_compiled)
     linen_text, nnx_text = linen_compiled.as_text(), nnx_compiled.as_text()
     linen_counts = hlo.collective_counts(linen_text)
     records += collective_records(linen_counts, hlo.collective_counts(nnx_text))
@@ -680,6 +667,7 @@ def sharding(session: Session) -> CheckResult:
         details=tuple(records),
         message=(
             f"linen {worst['linen']} vs nnx {worst['nnx']}"
+            + (f" (declared {worst['declared']})" if "declared" in worst else "")
             if failing
             else "collectives per train step: "
             + ", ".join(f"{k}={v}" for k, v in linen_counts.items())
@@ -687,9 +675,71 @@ def sharding(session: Session) -> CheckResult:
     )
 
 
-def _avals(compiled, side: str):
-    """Shapes of the compiled step's flattened inputs or outputs (`.shape` per leaf)."""
-    return compiled.args_info if side == "input" else compiled.out_info
+def declared_step_shardings(session: Session, framework: str) -> dict[str, Any]:
+    """The shardings each twin's train step is pinned to, per side, as prefix trees of its
+    (params, opt_state, batch) inputs and (params, opt_state, metrics) outputs."""
+    cfg, mesh = session.cfg, session.mesh
+    train_shardings = (
+        runs.linen_train_shardings if framework == "linen" else runs.nnx_train_shardings
+    )
+    params, opt_state = train_shardings(cfg, mesh)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    batch = sharding_lib.batch_sharding(cfg, mesh)
+    return {"input": (params, opt_state, batch), "output": (params, opt_state, replicated)}
+
+
+_STEP_PARTS = {
+    "input": ("params", "opt_state", "batch"),
+    "output": ("params", "opt_state", "metrics"),
+}
+
+
+def _step_leaves(compiled, side: str, declared) -> list[tuple[str, Any, Any, int]]:
+    """(path, compiled sharding, declared sharding, ndim) per array of one side of the step."""
+    if side == "input":
+        actual, avals = compiled.input_shardings[0], compiled.args_info[0]
+    else:
+        actual, avals = compiled.output_shardings, compiled.out_info
+    # The declared tree is a prefix (one sharding per box, Variable or batch): broadcast it.
+    expected = jax.tree.map(lambda d, sub: jax.tree.map(lambda _: d, sub), declared, actual)
+    flat_actual, _ = jax.tree_util.tree_flatten_with_path(actual)
+    leaves = []
+    for (path, a), d, aval in zip(
+        flat_actual, jax.tree.leaves(expected), jax.tree.leaves(avals), strict=True
+    ):
+        part, rest = _STEP_PARTS[side][path[0].idx], compare.path_str(path[1:])
+        name = "/".join(p for p in (part, rest) if p).removesuffix("/value")
+        leaves.append((name, a, d, len(aval.shape)))
+    return leaves
+
+
+def train_step_sharding_records(session: Session, linen_compiled, nnx_compiled) -> list[dict]:
+    """Per input and output array of the compiled train steps: Linen's and NNX's shardings must
+    both be the declared ones (parameters and moments as their logical names say, counts and
+    metrics replicated), so that the outputs of one step are valid inputs of the next."""
+    records = []
+    declared = {fw: declared_step_shardings(session, fw) for fw in ("linen", "nnx")}
+    for side in ("input", "output"):
+        linen = _step_leaves(linen_compiled, side, declared["linen"][side])
+        nnx_side = _step_leaves(nnx_compiled, side, declared["nnx"][side])
+        if len(linen) != len(nnx_side):
+            records.append(
+                sharding_record(f"train step {side}s: count", False, len(linen), len(nnx_side))
+            )
+            continue
+        for (path, linen_sh, linen_decl, ndim), (_, nnx_sh, nnx_decl, _) in zip(
+            linen, nnx_side, strict=True
+        ):
+            record = sharding_record(
+                f"train step {side}: {path}",
+                linen_sh.is_equivalent_to(linen_decl, ndim)
+                and nnx_sh.is_equivalent_to(nnx_decl, ndim)
+                and linen_decl.is_equivalent_to(nnx_decl, ndim),
+                getattr(linen_sh, "spec", linen_sh),
+                getattr(nnx_sh, "spec", nnx_sh),
+            )
+            records.append(record | {"declared": str(linen_decl.spec)})
+    return records
 
 
 def layers(session: Session) -> CheckResult:
@@ -707,9 +757,10 @@ def layers(session: Session) -> CheckResult:
 # train step within 1% (the twins compile to the same program today, so the measured ratios are
 # exactly 1.00; the margin only absorbs benign differences in XLA's bookkeeping).
 COST_TOLERANCE = 0.01
-# Measured pipeline FLOP overhead against `(M*R + d*(S-1)) / (M*R)`: within 1%. The rest is the
-# loop's own elementwise work (masking, rotation, buffer updates).
-EFFICIENCY_TOLERANCE = 0.01
+# Pipeline matmul work against `(M*R + d*(S-1)) / (M*R)`. Both are exact counts (dot FLOPs read
+# off the compiled HLO), measured equal on every shipped config, mesh and dtype (docs/configs.md);
+# the margin only allows for XLA rewriting a tiny dot into elementwise code.
+EFFICIENCY_TOLERANCE = 0.001
 
 
 def compile_cost(session: Session) -> CheckResult:
@@ -742,6 +793,7 @@ def compile_cost(session: Session) -> CheckResult:
                 "ratio": ratio,
                 "max_rel": max(ratio - 1.0, 0.0),
                 "passed": not gated or ratio <= 1.0 + COST_TOLERANCE,
+                "gated": gated,
             }
         )
     for kind in hlo.COLLECTIVES:
@@ -757,8 +809,10 @@ def compile_cost(session: Session) -> CheckResult:
             }
         )
     failing = [r for r in records if not r["passed"]]
-    costs = [r for r in records if not r["tensor"].startswith("loop body")]
-    worst = failing[0] if failing else max(costs, key=lambda r: r["max_rel"])
+    # The worst of what is gated: compile time and bytes accessed are reported, not held;
+    # loop-body counts are gated against their own minimum.
+    gated = [r for r in records if r.get("gated", True) and not r["tensor"].startswith("loop body")]
+    worst = failing[0] if failing else max(gated, key=lambda r: r["max_rel"])
     same_program = linen_cost.program == nnx_cost.program
     records.append(
         {
@@ -879,7 +933,9 @@ def _bytes(count: float) -> str:
 
 
 def efficiency(session: Session) -> CheckResult:
-    """The pipeline's compiled FLOPs against the plain decoder layers and the theory."""
+    """The matmul work the compiled pipeline performs (per-device dot FLOPs x devices) against
+    the useful work (every layer once on the full batch) and the schedule's theory; the loop's
+    elementwise overhead is reported beside it."""
     from parity import cost
 
     cfg = session.cfg
@@ -895,11 +951,14 @@ def efficiency(session: Session) -> CheckResult:
         )
     measured = cost.pipeline_efficiency(cfg, session.mesh)
     record = {
-        "tensor": "pipeline FLOP overhead",
+        "tensor": "pipeline matmul overhead",
         "measured": measured.measured_overhead,
         "theoretical": measured.theoretical_overhead,
+        "pipeline_dot_flops": measured.pipeline_dot_flops,
+        "reference_dot_flops": measured.reference_dot_flops,
         "pipeline_flops": measured.pipeline_flops,
         "reference_flops": measured.reference_flops,
+        "loop_elementwise_overhead": measured.loop_elementwise_overhead,
         "max_rel": measured.relative_error,
         "passed": measured.relative_error <= EFFICIENCY_TOLERANCE,
     }
@@ -909,10 +968,11 @@ def efficiency(session: Session) -> CheckResult:
         "overhead_error",
         measured.relative_error,
         EFFICIENCY_TOLERANCE,
-        "pipeline FLOP overhead",
+        "pipeline matmul overhead",
         details=(record,),
-        message=f"measured {measured.measured_overhead:.4f} vs (M*R + d*(S-1))/(M*R) = "
-        f"{measured.theoretical_overhead:.4f}",
+        message=f"matmul work {measured.measured_overhead:.4f} x the useful work vs "
+        f"(M*R + d*(S-1))/(M*R) = {measured.theoretical_overhead:.4f}; the loop's elementwise "
+        f"work adds {measured.loop_elementwise_overhead:.2%} of the matmul work",
     )
 
 

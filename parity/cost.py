@@ -1,26 +1,28 @@
 """Compile-time cost of the twins' train steps, from abstract inputs: no weight is allocated.
 
-Parameters and optimizer state are `jax.ShapeDtypeStruct`s carrying their shardings, so the 7B
-config lowers and compiles on simulated CPU devices. XLA's cost analysis counts a while-loop
-body once, whatever its trip count; the pipeline-efficiency measurement therefore compiles
-unrolled forms (Python loops) of both the pipeline and the non-pipelined layer stack.
+Parameters and optimizer state are `jax.ShapeDtypeStruct`s carrying the shardings the train
+step is pinned to, so the 7B config lowers and compiles on simulated CPU devices. XLA's cost
+analysis counts a while-loop body once, whatever its trip count; the pipeline-efficiency
+measurement therefore compiles unrolled forms (Python loops) of both the pipeline and the
+non-pipelined layer stack, and counts their matmul FLOPs in the compiled HLO.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
+import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh
 
 from migrate import axes, convert, optim, sharding
-from migrate.config import Config
+from migrate.config import MESH_AXES, Config
 from migrate.linen import decoder as linen_decoder
 from migrate.linen import layers as linen_layers
 from migrate.linen import pipeline as linen_pipeline
@@ -62,71 +64,47 @@ class CompiledCost:
         )
 
 
-def _with_sharding(abstract: Any, shardings: Any) -> Any:
+def _with_shardings(shardings: Any, abstract: Any) -> Any:
+    """`abstract` (a tree of ShapeDtypeStructs, in boxes or Variables) with each leaf carrying
+    the sharding at its place in `shardings` (a prefix tree: one sharding per box/Variable)."""
     return jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-    )
-
-
-def _abstract_opt_state(tx, params: Any, mesh: Mesh) -> Any:
-    """The optimizer state of `params` as ShapeDtypeStructs: every moment sharded like its
-    parameter, everything else (step counts) replicated."""
-    replicated = NamedSharding(mesh, PartitionSpec())
-    return optax.tree_map_params(
-        tx,
-        lambda leaf, param: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=param.sharding),
-        jax.eval_shape(tx.init, params),
-        params,
-        transform_non_params=lambda leaf: jax.ShapeDtypeStruct(
-            leaf.shape, leaf.dtype, sharding=replicated
+        lambda s, subtree: jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), subtree
         ),
+        shardings,
+        abstract,
     )
 
 
 def abstract_batch(cfg: Config, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
-    batch_sharding = sharding.named_sharding(
-        axes.BATCH_LENGTH_EMBED[:2], mesh, cfg.logical_axis_rules
-    )
     shape = (cfg.global_batch_size, cfg.max_target_length)
+    batch_sharding = sharding.batch_sharding(cfg, mesh)
     return {
         k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding)
         for k in ("inputs", "targets")
     }
 
 
-def abstract_linen_params(cfg: Config, mesh: Mesh) -> Any:
-    """Boxed Linen params whose values are sharded ShapeDtypeStructs."""
-    abstract = runs.linen_abstract_variables(cfg, mesh)
-    shardings = linen_decoder.param_shardings(abstract, mesh, cfg)
-    arrays, names = convert.strip_boxes(abstract)
-    arrays = _with_sharding(arrays, nn.meta.unbox(shardings))
-    return convert.restore_boxes(arrays, names)["params"]
-
-
-def abstract_nnx_params(cfg: Config, mesh: Mesh) -> nnx.State:
-    """NNX Param state whose values are sharded ShapeDtypeStructs."""
-    _, abstract = runs.nnx_abstract(cfg, mesh)
-
-    def shard(variable: nnx.Variable) -> nnx.Variable:
-        value = variable.get_value()
-        names = convert.nnx_names(variable) or ()
-        spec = sharding.named_sharding(names, mesh, cfg.logical_axis_rules)
-        return variable.replace(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=spec))
-
+def abstract_train_state(cfg: Config, mesh: Mesh, framework: str) -> tuple[Any, Any]:
+    """(params, optimizer state) of one twin as ShapeDtypeStructs carrying the shardings its
+    train step is pinned to: boxed Linen params, or an NNX Param state."""
+    if framework == "linen":
+        abstract = runs.linen_abstract_variables(cfg, mesh)["params"]
+        param_shardings, opt_state_shardings = runs.linen_train_shardings(cfg, mesh)
+    else:
+        _, abstract = runs.nnx_abstract(cfg, mesh)
+        param_shardings, opt_state_shardings = runs.nnx_train_shardings(cfg, mesh)
     with nnx.use_eager_sharding(False):
-        return jax.tree.map(shard, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        params = _with_shardings(param_shardings, abstract)
+        opt_state = jax.eval_shape(optim.make_optimizer(cfg).init, params)
+        return params, _with_shardings(opt_state_shardings, opt_state)
 
 
 def compile_train_step(cfg: Config, mesh: Mesh, framework: str) -> CompiledCost:
-    """Lower and compile the whole train step (forward, backward, optimizer) abstractly."""
-    tx = optim.make_optimizer(cfg)
-    if framework == "linen":
-        params = abstract_linen_params(cfg, mesh)
-        step, _ = runs.linen_train_fns(cfg, mesh)
-    else:
-        params = abstract_nnx_params(cfg, mesh)
-        step, _ = runs.nnx_train_fns(cfg, mesh)
-    opt_state = _abstract_opt_state(tx, params, mesh)
+    """Lower and compile the whole train step (forward, backward, optimizer) abstractly: the
+    same jitted step the `train` check runs, with its pinned shardings."""
+    params, opt_state = abstract_train_state(cfg, mesh, framework)
+    step, _ = (runs.linen_train_fns if framework == "linen" else runs.nnx_train_fns)(cfg, mesh)
     start = time.perf_counter()
     compiled = step.lower(params, opt_state, abstract_batch(cfg, mesh)).compile()
     return CompiledCost.of(compiled, time.perf_counter() - start)
@@ -137,54 +115,98 @@ def compile_train_step(cfg: Config, mesh: Mesh, framework: str) -> CompiledCost:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineEfficiency:
-    """Compiled FLOPs of the layer stack: pipeline against the plain decoder layers."""
+    """The pipelined layer stack's work against the plain decoder layers', in FLOPs summed over
+    devices. Matmul (dot) FLOPs are what the schedule's theory describes; the rest is
+    elementwise work (norms, softmax, and the loop's masking, rotation and buffer updates)."""
 
-    pipeline_flops: float  # all devices, unrolled iterations
-    reference_flops: float  # useful work: each layer once on the full batch
-    measured_overhead: float
-    theoretical_overhead: float
+    pipeline_dot_flops: float  # performed: per-device dots of the compiled pipeline x devices
+    reference_dot_flops: float  # useful: every layer once on the full batch (one device)
+    pipeline_flops: float  # everything the pipeline performs (XLA's cost analysis x devices)
+    reference_flops: float  # everything the reference layers perform
+    theoretical_overhead: float  # (M*R + d*(S-1)) / (M*R)
+
+    @property
+    def measured_overhead(self) -> float:
+        return self.pipeline_dot_flops / self.reference_dot_flops
 
     @property
     def relative_error(self) -> float:
         return abs(self.measured_overhead / self.theoretical_overhead - 1.0)
 
+    @property
+    def loop_elementwise_overhead(self) -> float:
+        """The pipeline's elementwise FLOPs beyond the layers' own (the reference's, times the
+        schedule's stage visits), as a fraction of the pipeline's matmul work."""
+        pipeline_elementwise = self.pipeline_flops - self.pipeline_dot_flops
+        layers_elementwise = (self.reference_flops - self.reference_dot_flops) * (
+            self.theoretical_overhead
+        )
+        return (pipeline_elementwise - layers_elementwise) / self.pipeline_dot_flops
 
-def _flops(fn, *args) -> float:
-    cost = jax.jit(fn).lower(*args).compile().cost_analysis()
+
+def _compiled_flops(fn, *args) -> tuple[float, float]:
+    """(all FLOPs, matmul FLOPs) per device of `fn` compiled for `args`."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return float(cost["flops"])
+    return float(cost["flops"]), hlo.dot_flops(compiled.as_text())
+
+
+def _one_device_mesh() -> Mesh:
+    """The config's mesh axes, each of size 1, on one local device: a program compiled on it
+    does exactly the work it describes, with no partitioning or replication."""
+    device = np.array(jax.local_devices()[:1], dtype=object).reshape((1,) * len(MESH_AXES))
+    return Mesh(device, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def pipeline_efficiency(cfg: Config, mesh: Mesh) -> PipelineEfficiency:
-    """Measured `pipeline work / useful work` against `(M*R + d*(S-1)) / (M*R)`.
+    """Matmul work the pipeline performs against the useful work (cached per computation)."""
+    return _pipeline_efficiency(runs.compute_config(cfg), mesh)
 
-    Both sides are compiled forward-only and unrolled (XLA counts a loop body once): the
-    pipeline with a Python loop over iterations and separate in-stage layers, the reference as
-    a Python loop over the N decoder layers. Per-device FLOPs are scaled to all devices; the
-    reference's replication over the stage axis is not counted as work.
+
+@functools.cache
+def _pipeline_efficiency(cfg: Config, mesh: Mesh) -> PipelineEfficiency:
+    """Matmul work the pipeline performs against the useful work, `(M*R + d*(S-1)) / (M*R)`.
+
+    Both sides are compiled forward-only and unrolled (XLA counts a loop body once). The
+    pipeline (a Python loop over iterations, separate in-stage layers) is compiled on the
+    config's mesh with its weights and input sharded as declared; its per-device matmul FLOPs
+    times the device count are the work it performs, so matmuls replicated over a mesh axis
+    count once per replica. The useful work is the plain decoder layers (a Python loop over the
+    N layers) on the full batch, compiled on one device.
     """
     cfg = cfg.replace(
         scan_pipeline_iterations=False,
         scan_layers_per_stage=False,
         set_remat_policy_on_pipeline_iterations=False,
     )
+    rules = cfg.logical_axis_rules
     variables = runs.linen_abstract_variables(cfg, mesh)
-    pipe_params = variables["params"]["pipeline"]
-    x = jax.ShapeDtypeStruct(
-        (cfg.global_batch_size, cfg.max_target_length, cfg.base_emb_dim), jnp.dtype(cfg.dtype)
+    weights = _with_shardings(  # boxed: `pipeline_fsdp_ag_once` reads the logical names
+        linen_decoder.param_shardings(variables, mesh, cfg)["params"]["pipeline"],
+        variables["params"]["pipeline"],
     )
-    positions = jax.ShapeDtypeStruct(x.shape[:2], jnp.int32)
+    shape = (cfg.global_batch_size, cfg.max_target_length, cfg.base_emb_dim)
+    x = jax.ShapeDtypeStruct(
+        shape,
+        jnp.dtype(cfg.dtype),
+        sharding=sharding.named_sharding(axes.BATCH_LENGTH_EMBED, mesh, rules),
+    )
+    positions = jax.ShapeDtypeStruct(
+        shape[:2], jnp.int32, sharding=sharding.batch_sharding(cfg, mesh)
+    )
     pipe = linen_pipeline.Pipeline(cfg, mesh)
-    pipeline_flops = _flops(
-        lambda p, x, pos: pipe.apply({"params": p}, x, pos), pipe_params, x, positions
+    pipeline_flops, pipeline_dots = _compiled_flops(
+        lambda w, x, pos: pipe.apply({"params": w}, x, pos), weights, x, positions
     )
 
-    layer = linen_layers.DecoderLayer(cfg, mesh)
-    ref_layers = jax.eval_shape(lambda v: convert.linen_pipeline_to_reference(v, cfg), variables)[
-        "params"
-    ]["layers"]
-    per_layer = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), nn.meta.unbox(ref_layers)
+    one_device = _one_device_mesh()
+    layer = linen_layers.DecoderLayer(cfg, one_device)
+    reference_layers = jax.eval_shape(
+        lambda v: convert.linen_pipeline_to_reference(v, cfg), variables
+    )["params"]["layers"]
+    stacked = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nn.meta.unbox(reference_layers)
     )
 
     def stack(stacked_params, x, pos):
@@ -192,19 +214,18 @@ def pipeline_efficiency(cfg: Config, mesh: Mesh) -> PipelineEfficiency:
             x = layer.apply({"params": jax.tree.map(lambda w, i=i: w[i], stacked_params)}, x, pos)
         return x
 
-    stacked = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct((cfg.base_num_decoder_layers, *a.shape), a.dtype), per_layer
+    reference_flops, reference_dots = _compiled_flops(
+        stack,
+        stacked,
+        jax.ShapeDtypeStruct(x.shape, x.dtype),
+        jax.ShapeDtypeStruct(positions.shape, positions.dtype),
     )
-    reference_per_device = _flops(stack, stacked, x, positions)
-    # The reference splits the batch over data x fsdp (and heads over tensor) but repeats
-    # every layer on each of the S stage-axis replicas: only one replica's work is useful.
-    pipeline_total = pipeline_flops * cfg.num_devices
-    reference_total = reference_per_device * cfg.num_devices / cfg.num_stages
     return PipelineEfficiency(
-        pipeline_total,
-        reference_total,
-        pipeline_total / reference_total,
-        cfg.pipeline_flop_overhead,
+        pipeline_dot_flops=pipeline_dots * cfg.num_devices,
+        reference_dot_flops=reference_dots,
+        pipeline_flops=pipeline_flops * cfg.num_devices,
+        reference_flops=reference_flops,
+        theoretical_overhead=cfg.pipeline_flop_overhead,
     )
 
 

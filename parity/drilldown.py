@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from migrate import axes, convert, schedule
+from migrate import axes, convert, numerics, schedule
 from migrate.config import Config
 from migrate.linen import decoder as linen_decoder
 from migrate.linen import layers as linen_layers
@@ -289,6 +289,7 @@ def iteration_records(session, tol: compare.Tolerance) -> list[dict]:
     tokens = session.batch["inputs"]
     table = linen_vars["params"]["token_embedder"]["embedding"]
     x = jnp.take(table.value if hasattr(table, "value") else table, tokens, axis=0)
+    x = x.astype(numerics.activation_dtype(cfg))
     positions = distributed.replicate(
         jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape), mesh
     )

@@ -14,10 +14,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from migrate import convert, optim
+from migrate import convert, optim, sharding
 from migrate.config import Config
 from migrate.linen import decoder as linen_decoder
 from migrate.linen import train as linen_train
@@ -28,11 +29,13 @@ from parity import distributed
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """One forward+backward on the host: loss, logits, unboxed Linen-form gradients."""
+    """One forward+backward on the host: loss, logits, unboxed Linen-form gradients, and the
+    global gradient norm computed on device from the sharded gradients (as clipping does)."""
 
     loss: Any
     logits: Any
     grads: Any
+    grad_norm: Any = None
 
     def to_reference_layout(self, cfg: Config) -> Run:
         """The same run with pipeline-layout gradients moved to the reference layout."""
@@ -70,17 +73,28 @@ def compute_config(cfg: Config) -> Config:
     return cfg.replace(seed=0, model_name="compute")
 
 
+def with_grad_norm(loss_fn: Callable) -> Callable:
+    """`(params, batch) -> ((loss, logits, grad_norm), grads)`: the global gradient norm is
+    computed inside the jitted step from the sharded gradients, as gradient clipping does."""
+
+    def step(params, batch):
+        (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+        return (loss, logits, optax.global_norm(grads)), grads
+
+    return step
+
+
 def linen_step(
     cfg: Config, mesh: Mesh, use_pipeline: bool | None = None, bubble_fill: float = 0.0
 ) -> Callable:
-    """Jitted `(params, batch) -> ((loss, logits), grads)` for a Linen decoder (cached)."""
+    """Jitted `(params, batch) -> ((loss, logits, grad_norm), grads)` for a Linen decoder
+    (cached)."""
     return _linen_step(compute_config(cfg), mesh, use_pipeline, bubble_fill)
 
 
 @functools.cache
 def _linen_step(cfg: Config, mesh: Mesh, use_pipeline: bool | None, bubble_fill: float) -> Callable:
-    loss_fn = linen_train.make_loss_fn(cfg, mesh, use_pipeline, bubble_fill)
-    return jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+    return jax.jit(with_grad_norm(linen_train.make_loss_fn(cfg, mesh, use_pipeline, bubble_fill)))
 
 
 def linen_train_fns(cfg: Config, mesh: Mesh) -> tuple[Callable, Callable]:
@@ -91,10 +105,23 @@ def linen_train_fns(cfg: Config, mesh: Mesh) -> tuple[Callable, Callable]:
 @functools.cache
 def _linen_train_fns(cfg: Config, mesh: Mesh) -> tuple[Callable, Callable]:
     tx = optim.make_optimizer(cfg)
+    state_shardings = linen_train_shardings(cfg, mesh)
+    batch_sharding = sharding.batch_sharding(cfg, mesh)
     return (
-        jax.jit(linen_train.make_train_step(cfg, mesh, tx)),
-        jax.jit(linen_train.make_eval_step(cfg, mesh)),
+        linen_train.jit_train_step(
+            linen_train.make_train_step(cfg, mesh, tx), state_shardings, batch_sharding
+        ),
+        linen_train.jit_eval_step(
+            linen_train.make_eval_step(cfg, mesh), state_shardings[0], batch_sharding
+        ),
     )
+
+
+def linen_train_shardings(cfg: Config, mesh: Mesh) -> tuple[Any, Any]:
+    """(param, optimizer-state) shardings the Linen train step is pinned to (declared by the
+    logical names)."""
+    abstract = linen_abstract_variables(cfg, mesh)["params"]
+    return linen_train.train_state_shardings(abstract, mesh, cfg, optim.make_optimizer(cfg))
 
 
 @functools.cache
@@ -127,9 +154,9 @@ def run_linen(
     bubble_fill: float = 0.0,
 ) -> Run:
     step = linen_step(cfg, mesh, use_pipeline, bubble_fill)
-    (loss, logits), grads = step(variables["params"], batch)
-    loss, logits, grads = distributed.to_host((loss, logits, grads))
-    return Run(loss, logits, {"params": nn.meta.unbox(grads)})
+    (loss, logits, grad_norm), grads = step(variables["params"], batch)
+    loss, logits, grad_norm, grads = distributed.to_host((loss, logits, grad_norm, grads))
+    return Run(loss, logits, {"params": nn.meta.unbox(grads)}, grad_norm)
 
 
 # ------------------------------------------------------------------ NNX
@@ -159,13 +186,14 @@ def _nnx_step(
     cfg: Config, mesh: Mesh, use_pipeline: bool | None, bubble_fill: float, mode: tuple[bool, bool]
 ) -> Callable:
     graphdef, _ = _nnx_abstract(cfg, mesh, use_pipeline, bubble_fill, mode)
-    return jax.jit(jax.value_and_grad(nnx_train.make_loss_fn(graphdef), has_aux=True))
+    return jax.jit(with_grad_norm(nnx_train.make_loss_fn(graphdef)))
 
 
 def nnx_step(
     cfg: Config, mesh: Mesh, use_pipeline: bool | None = None, bubble_fill: float = 0.0
 ) -> Callable:
-    """Jitted `(params, batch) -> ((loss, logits), grads)` in the functional form (cached)."""
+    """Jitted `(params, batch) -> ((loss, logits, grad_norm), grads)` in the functional form
+    (cached)."""
     return _nnx_step(compute_config(cfg), mesh, use_pipeline, bubble_fill, nnx_mode())
 
 
@@ -176,12 +204,25 @@ def nnx_train_fns(cfg: Config, mesh: Mesh) -> tuple[Callable, Callable]:
 
 @functools.cache
 def _nnx_train_fns(cfg: Config, mesh: Mesh, mode: tuple[bool, bool]) -> tuple[Callable, Callable]:
-    graphdef, _ = _nnx_abstract(cfg, mesh, None, 0.0, mode)
+    graphdef, abstract = _nnx_abstract(cfg, mesh, None, 0.0, mode)
     tx = optim.make_optimizer(cfg)
+    state_shardings = nnx_train.train_state_shardings(abstract, mesh, cfg, tx)
+    batch_sharding = sharding.batch_sharding(cfg, mesh)
     return (
-        jax.jit(nnx_train.make_train_step(graphdef, tx)),
-        jax.jit(nnx_train.make_eval_step(graphdef)),
+        nnx_train.jit_train_step(
+            nnx_train.make_train_step(graphdef, tx), state_shardings, batch_sharding
+        ),
+        nnx_train.jit_eval_step(
+            nnx_train.make_eval_step(graphdef), state_shardings[0], batch_sharding
+        ),
     )
+
+
+def nnx_train_shardings(cfg: Config, mesh: Mesh) -> tuple[Any, Any]:
+    """(param, optimizer-state) shardings the NNX train step is pinned to (declared by the
+    logical names)."""
+    _, abstract = nnx_abstract(cfg, mesh)
+    return nnx_train.train_state_shardings(abstract, mesh, cfg, optim.make_optimizer(cfg))
 
 
 @functools.cache
@@ -206,10 +247,11 @@ def run_nnx(
     use_pipeline: bool | None = None,
     bubble_fill: float = 0.0,
 ) -> Run:
-    (loss, logits), grads = nnx_step(cfg, mesh, use_pipeline, bubble_fill)(params, batch)
-    loss, logits = distributed.to_host((loss, logits))
+    step = nnx_step(cfg, mesh, use_pipeline, bubble_fill)
+    (loss, logits, grad_norm), grads = step(params, batch)
+    loss, logits, grad_norm = distributed.to_host((loss, logits, grad_norm))
     grads = distributed.to_host(nn.meta.unbox(convert.nnx_to_linen(grads)))
-    return Run(loss, logits, grads)
+    return Run(loss, logits, grads, grad_norm)
 
 
 def clear_nnx_caches() -> None:

@@ -1,4 +1,5 @@
-"""The `parity` command: exit codes, reports, golden files, and the full run on every config."""
+"""The `parity` command: exit codes, reports, golden files, and every check on every shipped
+tiny config (the config matrix)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import jax
 import pytest
-from conftest import CONFIG_DIR, TINY_CONFIGS
+from conftest import CONFIG_DIR, SHIPPED_TINY_CONFIGS, tiny
 
 from migrate import devices
 from parity import cli, report
@@ -96,47 +98,62 @@ def test_golden_diff_lists_per_key_differences():
     ]
 
 
+TWIN_CHECKS = ("roundtrip", "forward", "grads", "train", "layers")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", TINY_CONFIGS)
-def test_full_parity_run_passes_on_every_tiny_config(name, tmp_path):
-    """The product as CI runs it: the console script, every default check, all reports."""
+@pytest.mark.parametrize("name", SHIPPED_TINY_CONFIGS)
+def test_every_check_passes_on_every_shipped_tiny_config(name, tmp_path, capsys):
+    """The config matrix CI gates: every check (`--checks=all`) and every report, on every
+    shipped tiny config. Meshes that fit this session's devices run in-process (sharing
+    compiled programs with the other tests); larger ones run the console script, which
+    requests its own simulated devices."""
+    cfg = tiny(name)
     json_path, junit_path, plot_path = (tmp_path / f for f in ("r.json", "r.xml", "r.png"))
-    result = run_parity(
+    args = (
         str(CONFIG_DIR / f"{name}.yml"),
-        "--steps=3",
+        "--checks=all",
+        "--steps=2",
         f"--json={json_path}",
         f"--junit={junit_path}",
         f"--plot={plot_path}",
         f"--golden={tmp_path / 'golden'}",
     )
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert "PASS" in result.stdout and "FAIL" not in result.stdout
-    for step in (1, 2, 3):  # the train check reports every step (3 are the first few)
-        assert f"[parity] train step {step}/3: ok" in result.stderr
+    if cfg.num_devices <= jax.device_count():
+        status = run_in_process(*args)
+        out, err = capsys.readouterr()
+    else:
+        result = run_parity(*args)
+        status, out, err = result.returncode, result.stdout, result.stderr
+    assert status == cli.EXIT_PASS, out + err[-3000:]
+    assert "PASS" in out and "FAIL" not in out
+    for step in (1, 2):  # the train check reports every step
+        assert f"[parity] train step {step}/2: ok" in err
+
     data = json.loads(json_path.read_text())
     assert data["version"] == report.JSON_SCHEMA_VERSION and data["passed"] is True
     assert data["config"] == name
-    names = [c["name"] for c in data["checks"]]
-    assert names == [
-        "roundtrip",
-        "init",
-        "forward",
-        "grads",
-        "sharding",
-        "program",
-        "pipeline",
-        "bubbles",
-        "train",
-        "golden",
-    ]
+    checks = {c["name"]: c for c in data["checks"]}
+    assert list(checks) == [*cli.CHECK_NAMES, "golden"]
     for check in data["checks"]:
         assert set(check["worst"]) == {"metric", "value", "tolerance", "where"}
         assert check["worst"]["value"] <= check["worst"]["tolerance"]
-    train = next(c for c in data["checks"] if c["name"] == "train")
-    assert [s["step"] for s in train["steps"]] == [0, 1, 2]
+    for name_ in TWIN_CHECKS:  # Linen vs NNX: zero difference, whatever the dtype
+        assert checks[name_]["worst"]["value"] == checks[name_]["worst"]["tolerance"] == 0
+    pipeline = {d["tensor"]: d for d in checks["pipeline"]["details"]}
+    assert pipeline["linen/grad_norm"]["passed"] and pipeline["nnx/grad_norm"]["passed"]
+    sharding = {d["tensor"]: d for d in checks["sharding"]["details"]}
+    for side in ("input", "output"):
+        record = sharding[f"train step {side}: params/decoder_norm/scale"]
+        assert record["linen"] == record["nnx"] == record["declared"] == "P(None,)"
+    (efficiency,) = checks["efficiency"]["details"]
+    assert efficiency["measured"] == efficiency["theoretical"] == cfg.pipeline_flop_overhead
+    assert "same optimised program" in checks["compile"]["message"]
+    assert [s["step"] for s in checks["train"]["steps"]] == [0, 1]
+
     suite = ET.parse(junit_path).getroot().find("testsuite")
-    assert suite.get("tests") == str(len(names)) and suite.get("failures") == "0"
-    assert [c.get("name") for c in suite.findall("testcase")] == names
+    assert suite.get("tests") == str(len(checks)) and suite.get("failures") == "0"
+    assert [c.get("name") for c in suite.findall("testcase")] == list(checks)
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "golden" / f"{name}.sharding.json").exists()
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
 import pytest
 from conftest import tiny
 
+from migrate import config
 from parity import checks, compare
 from parity.runs import Run
 
@@ -46,13 +48,24 @@ def test_structure_and_shape_mismatches_raise():
         compare.leaf_diff("w", np.ones(2), np.ones(3))
 
 
-def test_tolerance_tiers_follow_dtype_and_precision():
+def test_twins_are_held_to_zero_difference_in_every_dtype_and_precision():
     cfg = tiny("llama2-tiny")
-    assert compare.twin_tolerance(cfg) is compare.EXACT
+    for dtype, weight_dtype, precision in itertools.product(
+        config.DTYPES, config.DTYPES, config.MATMUL_PRECISIONS
+    ):
+        variant = cfg.replace(dtype=dtype, weight_dtype=weight_dtype, matmul_precision=precision)
+        assert compare.twin_tolerance(variant) is compare.EXACT
+
+
+def test_pipeline_tier_follows_the_dtypes():
+    cfg = tiny("llama2-tiny")
     assert compare.reshaped_tolerance(cfg) is compare.F32_RESHAPED
-    bf16 = cfg.replace(dtype="bfloat16")
-    assert compare.twin_tolerance(bf16) is compare.BF16
-    assert compare.reshaped_tolerance(cfg.replace(matmul_precision="default")) is compare.BF16
+    assert compare.reshaped_tolerance(cfg.replace(matmul_precision="default")) is (
+        compare.F32_RESHAPED
+    )
+    for dtypes in ({"dtype": "bfloat16"}, {"weight_dtype": "bfloat16"}):
+        assert compare.reshaped_tolerance(cfg.replace(**dtypes)) is compare.BF16_RESHAPED
+    assert compare.EXACT.max_rel < compare.F32_RESHAPED.max_rel < compare.BF16_RESHAPED.max_rel
 
 
 def test_dead_models_are_refused_even_when_they_agree():

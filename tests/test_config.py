@@ -6,12 +6,12 @@ import dataclasses
 import math
 
 import pytest
-from conftest import CONFIG_DIR, TINY_CONFIGS, tiny
+from conftest import CONFIG_DIR, SHIPPED_TINY_CONFIGS, tiny
 
 from migrate.config import ConfigError, load_config, parse_overrides
 
 
-@pytest.mark.parametrize("name", [*TINY_CONFIGS, "llama2-7b", "base"])
+@pytest.mark.parametrize("name", [*SHIPPED_TINY_CONFIGS, "llama2-7b", "base"])
 def test_every_shipped_config_loads(name):
     cfg = load_config(CONFIG_DIR / f"{name}.yml")
     assert cfg.model_name == name if name != "base" else cfg.model_name == "base"

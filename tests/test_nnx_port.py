@@ -7,7 +7,7 @@ import functools
 import flax.linen as nn
 import jax
 import pytest
-from conftest import TINY_CONFIGS, tiny
+from conftest import SHIPPED_TINY_CONFIGS, TINY_CONFIGS, tiny
 from flax import nnx
 
 from migrate import convert, sharding
@@ -51,7 +51,7 @@ def test_every_nnx_mode_builds_runs_and_matches_linen(graph_mode, graph_updates)
         assert names is not None and len(names) == variable.get_value().ndim, (path, names)
 
 
-@pytest.mark.parametrize("name", [*TINY_CONFIGS, "llama2-7b"])
+@pytest.mark.parametrize("name", [*SHIPPED_TINY_CONFIGS, "llama2-7b"])
 @pytest.mark.parametrize("use_pipeline", [None, False], ids=["pipeline", "reference"])
 def test_nnx_logical_names_equal_the_linen_boxes(name, use_pipeline):
     cfg = tiny(name)

@@ -131,13 +131,25 @@ class Pipeline(nn.Module):
         )
 
     def run_stages(self, weights, stage_inputs, stage_positions, repeat_ids) -> jax.Array:
-        """Every stage applies its layers (for its current repeat) to its input, in parallel."""
+        """Every stage applies its layers (for its current repeat) to its input, in parallel;
+        on fsdp x tensor meshes with that repeat's weights gathered over `fsdp` for the visit
+        (`sharding.stage_weights_need_gathering`)."""
         cfg = self.config
         stage = StageLayers(cfg, self.mesh, parent=None)
+        stacked = 2 if cfg.num_repeats > 1 else 1  # [R,] S leading axes, gone inside one_stage
+        gathered = jax.tree.map(
+            lambda names: sharding.gathered_over_fsdp(names[stacked:], self.mesh, cfg),
+            nn.get_partition_spec(self.variables["params"]["layers"]),
+            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
+        )
 
         def one_stage(stage_weights, x, pos, repeat):
             if cfg.num_repeats > 1:
                 stage_weights = jax.tree.map(lambda w: w[repeat], stage_weights)
+            if sharding.stage_weights_need_gathering(cfg):
+                stage_weights = jax.tree.map(
+                    jax.lax.with_sharding_constraint, stage_weights, gathered
+                )
             return stage.apply({"params": stage_weights}, x, pos)
 
         weight_axis = 1 if cfg.num_repeats > 1 else 0

@@ -1,19 +1,25 @@
 """Linen train step (the original): `model.apply` on boxed params, optax on the boxed tree.
 
 Twin of `migrate/nnx/train.py`. `LogicallyPartitioned` boxes are pytrees, so optax's moments
-come out boxed with the same logical names as the parameters.
+come out boxed with the same logical names as the parameters. The jitted step pins the
+shardings of the parameters and optimizer state, in and out, to the ones their logical names
+declare: without that, XLA may hand back a different sharding than the step was compiled for
+(a replicated norm scale returned sharded over `tensor`), and the next step refuses it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+import flax.linen as nn
 import jax
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from migrate.config import Config
 from migrate.linen.decoder import Decoder, cross_entropy_loss
+from migrate.linen.decoder import param_shardings as param_shardings_of
 
 
 def make_loss_fn(
@@ -46,3 +52,48 @@ def make_eval_step(cfg: Config, mesh: Mesh) -> Callable:
     """`(params, batch) -> loss`, forward only."""
     loss_fn = make_loss_fn(cfg, mesh)
     return lambda params, batch: loss_fn(params, batch)[0]
+
+
+def train_state_shardings(
+    abstract_params: Any, mesh: Mesh, cfg: Config, tx: optax.GradientTransformation
+) -> tuple[Any, Any]:
+    """(parameter shardings, optimizer-state shardings) that the logical names declare.
+
+    `abstract_params` is the boxed tree of `jax.eval_shape(model.init, ...)['params']`. Every
+    optimizer moment is sharded like its parameter, everything else (step counts) replicated.
+    """
+    param_shardings = param_shardings_of(abstract_params, mesh, cfg)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_state_shardings = optax.tree_map_params(
+        tx,
+        lambda _, param_sharding: param_sharding,
+        jax.eval_shape(tx.init, abstract_params),
+        param_shardings,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned),
+    )
+    return param_shardings, opt_state_shardings
+
+
+def jit_train_step(
+    train_step: Callable, state_shardings: tuple[Any, Any], batch_sharding: NamedSharding
+) -> Callable:
+    """`train_step` jitted with parameters and optimizer state pinned, in and out, to
+    `state_shardings`, the batch to `batch_sharding`, and the metrics replicated."""
+    param_shardings, opt_state_shardings = state_shardings
+    replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
+    return jax.jit(
+        train_step,
+        in_shardings=(param_shardings, opt_state_shardings, batch_sharding),
+        out_shardings=(param_shardings, opt_state_shardings, replicated),
+    )
+
+
+def jit_eval_step(
+    eval_step: Callable, param_shardings: Any, batch_sharding: NamedSharding
+) -> Callable:
+    """`eval_step` jitted with its inputs pinned like the train step's."""
+    replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
+    return jax.jit(
+        eval_step, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated
+    )

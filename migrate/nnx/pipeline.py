@@ -135,12 +135,24 @@ class Pipeline(nnx.Module):
         return jax.tree.map(gather, weights, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
     def run_stages(self, graphdef, weights, stage_inputs, stage_positions, repeat_ids):
-        """Every stage applies its layers (for its current repeat) to its input, in parallel."""
+        """Every stage applies its layers (for its current repeat) to its input, in parallel;
+        on fsdp x tensor meshes with that repeat's weights gathered over `fsdp` for the visit
+        (`sharding.stage_weights_need_gathering`)."""
         cfg = self.config
+        stacked = 2 if cfg.num_repeats > 1 else 1  # [R,] S leading axes, gone inside one_stage
+
+        def gathered(variable: nnx.Variable) -> nnx.Variable:
+            names = tuple(variable.get_metadata()["out_sharding"])[stacked:]
+            spec = sharding.gathered_over_fsdp(names, self.mesh, cfg)
+            return variable.replace(jax.lax.with_sharding_constraint(variable[...], spec))
 
         def one_stage(stage_weights, x, pos, repeat):
             if cfg.num_repeats > 1:
                 stage_weights = jax.tree.map(lambda w: w[repeat], stage_weights)
+            if sharding.stage_weights_need_gathering(cfg):
+                stage_weights = jax.tree.map(
+                    gathered, stage_weights, is_leaf=lambda x: isinstance(x, nnx.Variable)
+                )
             return nnx.merge(graphdef, stage_weights)(x, pos)
 
         weight_axis = 1 if cfg.num_repeats > 1 else 0
