@@ -518,7 +518,12 @@ def train(
         linen_params, linen_opt, linen_metrics = linen_step(linen_params, linen_opt, batch)
         nnx_params, nnx_opt, nnx_metrics = nnx_step(nnx_params, nnx_opt, batch)
         linen_metrics, nnx_metrics = distributed.to_host((linen_metrics, nnx_metrics))
-        step_records = []
+        # A step whose outputs are not valid inputs of the next cannot be stepped again: say
+        # where, as a parity failure of that step, instead of letting the next call raise.
+        step_records = _returned_state_records(
+            f"step {step}/linen returned", linen_step, linen_params, linen_opt
+        ) + _returned_state_records(f"step {step}/nnx returned", nnx_step, nnx_params, nnx_opt)
+        resumable = all(r["passed"] for r in step_records)
         for key in ("loss", "grad_norm"):
             step_records += compare_runs_parts(
                 f"step {step}/{key}", nnx_metrics[key], linen_metrics[key], tol
@@ -542,12 +547,41 @@ def train(
         )
         if on_step is not None:
             on_step(step, per_step[-1]["passed"])
-    evaluate("after")
+        if not resumable:
+            break
+    else:
+        evaluate("after")
     problems = []
     if steps and not losses[-1] < losses[0] + 1.0:
         problems.append(f"training diverged: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     result = _result("train", records, tol, problems)
     return dataclasses.replace(result, steps=tuple(per_step))
+
+
+def _returned_state_records(prefix: str, compiled_step, params, opt_state) -> list[dict]:
+    """Each returned parameter and optimizer-state array against the sharding the compiled
+    step takes it with; only the mismatches are recorded."""
+    expected = jax.tree.leaves(compiled_step.input_shardings[0][:2])
+    returned = [
+        (f"{part}/{compare.path_str(path)}", array)
+        for part, tree in (("params", params), ("opt_state", opt_state))
+        for path, array in jax.tree_util.tree_flatten_with_path(tree)[0]
+    ]
+    records = []
+    for (path, array), want in zip(returned, expected, strict=True):
+        have = getattr(array, "sharding", None)
+        if have is None or have.is_equivalent_to(want, array.ndim):
+            continue
+        records.append(
+            {
+                "tensor": f"{prefix}: {path}",
+                "passed": False,
+                "max_rel": math.inf,
+                "returned": str(getattr(have, "spec", have)),
+                "expected": str(getattr(want, "spec", want)),
+            }
+        )
+    return records
 
 
 def compare_runs_parts(prefix: str, actual, expected, tol: compare.Tolerance) -> list[dict]:

@@ -363,7 +363,7 @@ BUGS = [
         "sharding,train",
         {
             "sharding": "train step output: params/decoder_norm/scale",
-            "train": "params['decoder_norm']['scale']",
+            "train": "step 0/nnx returned: params/decoder_norm/scale",
         },
     ),
     (init_scale_wrong, TINY, "init,forward", {"init": "mlp/wo/kernel: log std ratio"}),
