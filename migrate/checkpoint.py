@@ -51,6 +51,7 @@ from migrate.meta import (
     LAYOUT_KEYS,
     LAYOUTS,
     MODEL_KEYS,
+    REFERENCE_KEYS,
     VERSION,
     CheckpointError,
     read_meta,
@@ -127,16 +128,7 @@ def layout_keys(cfg: Config) -> dict[str, Any]:
 
 def reference_config(cfg: Config) -> Config:
     """`cfg` without a pipeline (S=1): the decoder runs its layers as the reference does."""
-    return with_changes(
-        cfg,
-        {
-            "ici_pipeline_parallelism": 1,
-            "dcn_pipeline_parallelism": 1,
-            "num_layers_per_pipeline_stage": 1,
-            "num_pipeline_repeats": -1,
-            "scan_layers_per_stage": False,
-        },
-    )
+    return with_changes(cfg, REFERENCE_KEYS)
 
 
 def plan(

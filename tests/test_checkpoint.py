@@ -23,8 +23,8 @@ from flax import nnx
 
 from migrate import checkpoint, convert, optim, sharding
 from migrate.checkpoint import CheckpointError, Spec, TrainState
-from parity import runs
-from parity.data import synthetic_batch
+from parity.decoder import twins
+from parity.decoder.data import synthetic_batch
 
 # A damaged checkpoint fails an Orbax read while others are in flight; those end in Orbax's
 # closed event loop and Python reports them as unraisable. The CLI silences them (its
@@ -44,9 +44,9 @@ def setup(name: str = "llama2-tiny"):
 def trained_linen() -> TrainState:
     """Linen weights, optimizer state and step after one AdamW step."""
     cfg, mesh = setup()
-    variables = runs.linen_initial_variables(cfg, mesh)
+    variables = twins.linen_initial_variables(cfg, mesh)
     opt_state = optim.make_optimizer(cfg).init(variables["params"])
-    step, _ = runs.linen_train_fns(cfg, mesh)
+    step, _ = twins.linen_train_fns(cfg, mesh)
     params, opt_state, _ = step(variables["params"], opt_state, synthetic_batch(cfg, mesh))
     return TrainState({"params": params}, opt_state, 1)
 
@@ -134,7 +134,7 @@ def test_linen_to_nnx_to_linen_is_bit_exact(linen_ckpt, nnx_ckpt, tmp_path):
 
     # The NNX checkpoint holds the converter's NNX state, moments as States of Params.
     nnx_state = checkpoint.restore(nnx_ckpt, Spec("nnx", "pipeline", cfg), mesh)
-    expected = runs.linen_to_nnx_params(cfg, mesh, original.params)
+    expected = twins.linen_to_nnx_params(cfg, mesh, original.params)
     assert_bit_exact(nnx.to_pure_dict(nnx_state.params), nnx.to_pure_dict(expected))
     assert isinstance(nnx_state.opt_state[1][0].mu, nnx.State)
     assert_bit_exact(linen_form(nnx_state, "nnx"), linen_form(original, "linen"))
@@ -260,13 +260,13 @@ def test_training_resumed_from_a_converted_checkpoint_takes_the_same_step(linen_
     batch = synthetic_batch(cfg, mesh, step=1)
 
     linen = checkpoint.restore(linen_ckpt, Spec("linen", "pipeline", cfg), mesh)
-    linen_step, _ = runs.linen_train_fns(cfg, mesh)
+    linen_step, _ = twins.linen_train_fns(cfg, mesh)
     linen_params, linen_opt, linen_metrics = linen_step(
         linen.params["params"], linen.opt_state, batch
     )
     resumed = checkpoint.restore(nnx_ckpt, Spec("nnx", "pipeline", cfg), mesh)
     assert resumed.step == 1 and int(resumed.opt_state[1][0].count) == 1
-    nnx_step, _ = runs.nnx_train_fns(cfg, mesh)
+    nnx_step, _ = twins.nnx_train_fns(cfg, mesh)
     nnx_params, nnx_opt, nnx_metrics = nnx_step(resumed.params, resumed.opt_state, batch)
 
     # The same next step as an uninterrupted run, bit for bit.

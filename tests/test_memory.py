@@ -11,11 +11,11 @@ from conftest import CONFIG_DIR, TINY_CONFIGS, tiny
 
 from migrate import checkpoint, memory, sharding
 from migrate.config import load_config
-from parity import runs
+from parity.decoder import twins
 
 
 def traced_parameters(cfg) -> int:
-    variables = runs.linen_abstract_variables(cfg, sharding.make_mesh(cfg))
+    variables = twins.linen_abstract_variables(cfg, sharding.make_mesh(cfg))
     return sum(math.prod(x.shape) for x in jax.tree.leaves(nn.meta.unbox(variables)))
 
 
