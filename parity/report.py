@@ -210,10 +210,19 @@ MAX_LISTED = 10  # failing records listed per check by `text_report`
 
 
 def _describe(record: dict) -> str:
+    """One failing record, both sides labelled."""
     if "linen" in record:
-        return f"Linen {record['linen']} vs NNX {record['nnx']}"
+        text = f"Linen {record['linen']} vs NNX {record['nnx']}"
+        if "p_value" in record:
+            text += f" (p={record['p_value']:.2g})"
+        return text + (f" ({record['note']})" if "note" in record else "")
+    if "error" in record:
+        lines = str(record["error"]).strip().splitlines()
+        return lines[-1] if lines else "error"
+    if "note" in record:
+        return record["note"]
     text = (
-        f"max_rel={_fmt(record['max_rel'])} max_abs={_fmt(record['max_abs'])} "
+        f"NNX vs Linen max_rel={_fmt(record['max_rel'])} max_abs={_fmt(record['max_abs'])} "
         f"mismatches={record['mismatches']}"
     )
     if record.get("nonfinite"):
@@ -221,14 +230,15 @@ def _describe(record: dict) -> str:
     return text + (f" dtype {record['dtype']}" if "dtype" in record else "")
 
 
-def text_report(results: Sequence[Any], title: str = "parity") -> str:
-    """Plain-text report: one line per check, each note, then the failing records."""
+def text_report(results: Sequence[Any], title: str = "parity", verbose: bool = False) -> str:
+    """Plain-text report: one verdict line per check, then the failing records (each with
+    both sides), then the notes; `verbose` adds every error's whole text (tracebacks)."""
     failed = [r for r in results if not r.passed]
     verdict = f"FAIL ({len(failed)} of {len(results)} checks)" if failed else "PASS"
     rows = [("check", "verdict", "worst", "tolerance", "where")] + [
         (
             r.name,
-            "PASS" if r.passed else "FAIL",
+            {"passed": "PASS", "failed": "FAIL"}.get(r.status, "ERROR"),
             f"{r.metric}={_fmt(r.value)}",
             _fmt(r.tolerance),
             r.where,
@@ -241,13 +251,20 @@ def text_report(results: Sequence[Any], title: str = "parity") -> str:
         lines.append(
             "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[4]
         )
-    for r in results:
-        if r.message:
-            lines.append(f"  {r.name}: {r.message}")
     for r in failed:
         failing = [d for d in r.details if not d.get("passed", True)]
         for record in failing[:MAX_LISTED]:
             lines.append(f"  {r.name} FAIL {record['tensor']}: {_describe(record)}")
         if len(failing) > MAX_LISTED:
             lines.append(f"  {r.name}: ... and {len(failing) - MAX_LISTED} more failing")
+    notes = [f"  {r.name}: {r.message}" for r in results if r.message]
+    if notes:
+        lines += ["notes:", *notes]
+    if verbose:
+        for r in results:
+            for record in r.details:
+                if "error" in record:
+                    lines += [f"{r.name}: {record['tensor']}:", str(record["error"])]
+    elif any("error" in d for r in results for d in r.details):
+        lines.append("(format_report(..., verbose=True) shows each error's traceback)")
     return "\n".join(lines)
