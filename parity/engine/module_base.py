@@ -281,8 +281,15 @@ class ModuleSide(Side):
         (the state of each draw is the weights', the RNG state is carried): its outputs,
         stacked on a leading draw axis, on the host."""
         params, state, rng = self.split(weights)
-        count = self.calls[index].randomness.draws
+        keys = draw_keys(self.seed, index, self.calls[index].randomness.draws)
+        with self.context():
+            stacked = self._draw_fn(index)(
+                params, state, rng, self.call_inputs[index].arrays(), keys
+            )
+        return distributed.to_host(stacked)
 
+    @functools.cache  # noqa: B019 (one side per pair; compiled once per call)
+    def _draw_fn(self, index: int) -> Callable:
         def all_draws(params, state, rng, arrays, keys):
             def body(rng, key):
                 out, _, rng, _ = self.apply_call(index, params, state, rng, arrays, key)
@@ -290,10 +297,7 @@ class ModuleSide(Side):
 
             return jax.lax.scan(body, rng, keys)[1]
 
-        keys = draw_keys(self.seed, index, count)
-        with self.context():
-            stacked = jax.jit(all_draws)(params, state, rng, self.call_inputs[index].arrays(), keys)
-        return distributed.to_host(stacked)
+        return jax.jit(all_draws)
 
 
 def unboxed_grads(grads_params: Any) -> dict[str, Any]:
