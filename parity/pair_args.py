@@ -65,6 +65,16 @@ def modules(linen_module: Any, nnx_module: Any) -> None:
 
 
 def _leaves_are_arrays(where: str, tree: Any) -> None:
+    def is_number_list(node: Any) -> bool:
+        return isinstance(node, list) and all(isinstance(v, (int, float)) for v in node)
+
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_number_list)[0]:
+        if is_number_list(leaf):
+            at = compare.path_str(path)
+            raise PairArgumentError(
+                f"{where}{'/' + at if at else ''} is a list of numbers; pass an array "
+                "(jnp.asarray(...))"
+            )
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if is_array(leaf) or isinstance(leaf, (bool, int, float, complex, str)):
             continue

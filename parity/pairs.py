@@ -81,8 +81,8 @@ class ModulePair(Pair):
         self.calls = linen.calls
 
     def batch(self, step: int = 0, split: str = "train") -> Any:
+        """Each side trains and evaluates on its own calls (their arguments can differ)."""
         del step, split
-        return {"linen": self.linen.inputs(), "nnx": self.nnx.inputs()}
 
     def vacuity(self, run: Run) -> list[str]:
         """A module without parameters (dropout) is compared on its outputs alone."""

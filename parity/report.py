@@ -216,9 +216,8 @@ def _describe(record: dict) -> str:
         if "p_value" in record:
             text += f" (p={record['p_value']:.2g})"
         return text + (f" ({record['note']})" if "note" in record else "")
-    if "error" in record:
-        lines = str(record["error"]).strip().splitlines()
-        return lines[-1] if lines else "error"
+    if "summary" in record:
+        return record["summary"]
     if "note" in record:
         return record["note"]
     text = (
@@ -252,19 +251,45 @@ def text_report(results: Sequence[Any], title: str = "parity", verbose: bool = F
             "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[4]
         )
     for r in failed:
+        label = "FAIL" if r.status == "failed" else "ERROR"
         failing = [d for d in r.details if not d.get("passed", True)]
         for record in failing[:MAX_LISTED]:
-            lines.append(f"  {r.name} FAIL {record['tensor']}: {_describe(record)}")
+            lines.append(f"  {r.name} {label} {record['tensor']}: {_describe(record)}")
         if len(failing) > MAX_LISTED:
             lines.append(f"  {r.name}: ... and {len(failing) - MAX_LISTED} more failing")
-    notes = [f"  {r.name}: {r.message}" for r in results if r.message]
-    if notes:
-        lines += ["notes:", *notes]
+    lines += _notes(results, verbose)
     if verbose:
         for r in results:
             for record in r.details:
                 if "error" in record:
                     lines += [f"{r.name}: {record['tensor']}:", str(record["error"])]
-    elif any("error" in d for r in results for d in r.details):
-        lines.append("(format_report(..., verbose=True) shows each error's traceback)")
     return "\n".join(lines)
+
+
+def _notes(results: Sequence[Any], verbose: bool) -> list[str]:
+    """Each check's note: its first line (a line ending in `:` with the next one), the rest
+    only when `verbose`; a note another check already gave is referred to, not repeated."""
+    notes, seen, hidden = [], {}, False
+    for r in results:
+        if not r.message:
+            continue
+        if r.message in seen:
+            notes.append(f"  {r.name}: as {seen[r.message]}")
+            continue
+        seen[r.message] = r.name
+        text = r.message.strip().splitlines()
+        shown = text[0]
+        rest = text[1:]
+        if shown.endswith(":") and rest:
+            shown, rest = f"{shown} {rest[0].strip(' -')}", rest[1:]
+        if verbose:
+            notes += [f"  {r.name}: {shown}", *(f"    {line}" for line in rest)]
+        else:
+            more = f" (+{len(rest)} more)" if rest else ""
+            notes.append(f"  {r.name}: {shown}{more}")
+        hidden |= bool(rest)
+    if not notes:
+        return []
+    hidden |= any("error" in d for r in results for d in r.details)
+    footer = ["(format_report(..., verbose=True) shows the rest: every line, tracebacks)"]
+    return ["notes:", *notes, *(footer if hidden and not verbose else [])]

@@ -137,6 +137,9 @@ class ModuleSide(Side):
         outputs, states, sown = ByCall(), ByCall(), ByCall()
         for index, (arrays, key) in zip(self.compared, inputs, strict=True):
             out, state, rng, captured = self.apply_call(index, params, state, rng, arrays, key)
+            # The state a call leaves is data for the next, as between training steps: no
+            # gradient flows through it (NNX's BatchNorm stops it, Linen's does not).
+            state = jax.lax.stop_gradient(state)
             name = self.calls[index].name
             total = total + self.loss_fn(out)
             outputs[name], states[name] = out, self.state_paths(state)
@@ -233,21 +236,24 @@ class ModuleSide(Side):
         tx = self.optimizer
         params, state, rng = self.split(weights)
 
-        def loss(params, batch):
-            return self.loss(params, state, rng, batch[self.framework])
+        inputs = self.inputs()
+
+        def loss(params):  # the pair's batch is this side's calls (`ModulePair.batch`: None)
+            return self.loss(params, state, rng, inputs)
 
         def step(params, opt_state, batch):
-            (value, _), grads = jax.value_and_grad(loss, has_aux=True)(params, batch)
+            del batch
+            (value, _), grads = jax.value_and_grad(loss, has_aux=True)(params)
             updates, opt_state = tx.update(grads, opt_state, params)
             metrics = {"loss": value, "grad_norm": optax.global_norm(grads)}
             return optax.apply_updates(params, updates), opt_state, metrics
 
         def evaluate(params, batch):
-            return loss(params, batch)[0]
+            del batch
+            return loss(params)[0]
 
-        batch = {self.framework: self.inputs()}
         with self.context():
-            compiled = jax.jit(step).lower(params, tx.init(params), batch).compile()
+            compiled = jax.jit(step).lower(params, tx.init(params), None).compile()
         return Trainer(params, tx.init(params), compiled, jax.jit(evaluate))
 
     # ------------------------------------------------------------ drill-down and draws

@@ -19,6 +19,7 @@ carried from draw to draw, as training carries it). Then:
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -58,7 +59,8 @@ def _p_values(linen: np.ndarray, nnx: np.ndarray) -> dict[str, float]:
     if np.ptp(linen) == 0 and np.ptp(nnx) == 0:  # constant on both sides: equal or not
         same = float(linen[0] == nnx[0])
         return {"mean": same, "spread": 1.0}
-    with np.errstate(all="ignore"):
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a side that does not vary: p = 0
         p_mean = float(stats.ttest_ind(linen, nnx, equal_var=False).pvalue)
         p_spread = float(stats.levene(linen, nnx, center="median").pvalue)
     return {

@@ -83,6 +83,7 @@ def errored(name: str, error: Exception) -> CheckResult:
                 "tensor": where,
                 "passed": False,
                 "max_rel": float("inf"),
+                "summary": f"{type(error.error).__name__}: {message.split(': ', 1)[-1]}",
                 "error": errors.shorten(error.detail, 20_000),
             },
         )
