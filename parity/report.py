@@ -268,12 +268,12 @@ def text_report(results: Sequence[Any], title: str = "parity", verbose: bool = F
 
 def _notes(results: Sequence[Any], verbose: bool) -> list[str]:
     """Each check's note: its first line (a line ending in `:` with the next one), the rest
-    only when `verbose`; a note another check already gave is referred to, not repeated."""
+    only when `verbose`; an error another check already gave is referred to, not repeated."""
     notes, seen, hidden = [], {}, False
     for r in results:
         if not r.message:
             continue
-        if r.message in seen:
+        if r.metric == "error" and r.message in seen:
             notes.append(f"  {r.name}: as {seen[r.message]}")
             continue
         seen[r.message] = r.name
