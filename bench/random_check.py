@@ -65,9 +65,8 @@ def main() -> None:
         for seed in seeds:
             p, tests = smallest(run(seed))
             scaled.append(p * tests)
-        print(
-            f"| {name} | {len(scaled)} | {min(scaled):.3g} (median {sorted(scaled)[len(scaled) // 2]:.3g}) |"
-        )
+        median = sorted(scaled)[len(scaled) // 2]
+        print(f"| {name} | {len(scaled)} | {min(scaled):.3g} (median {median:.3g}) |")
     print()
     print("| seeded bug | seeds | largest smallest-p-value (must be < ALPHA / tests) |")
     print("| --- | --- | --- |")

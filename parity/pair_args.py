@@ -228,6 +228,26 @@ def unmapped_state(nnx_module: nnx.Module, mapped: Mapping[str, type]) -> None:
         )
 
 
+def fit(linen_module: nn.Module, nnx_module: nnx.Module, calls: Sequence[Call]) -> None:
+    """Each call's method exists on both modules, and each NNX mode attribute on some
+    submodule of the NNX module (`Module.set_attributes` would refuse it mid-trace)."""
+    submodules = [m for _, m in nnx.iter_graph(nnx_module) if isinstance(m, nnx.Module)]
+    for item in calls:
+        for label, module in (("linen_module", linen_module), ("nnx_module", nnx_module)):
+            if item.method is not None and not callable(getattr(module, item.method, None)):
+                raise PairArgumentError(
+                    f"call {item.name!r}: {label} ({type(module).__name__}) has no method "
+                    f"{item.method!r}"
+                )
+        for name in item.nnx_attributes:
+            if not any(hasattr(m, name) for m in submodules):
+                raise PairArgumentError(
+                    f"call {item.name!r}: nnx_attributes {name!r} is an attribute of no module "
+                    f"in {type(nnx_module).__name__}; mode flags are e.g. 'deterministic', "
+                    "'use_running_average'"
+                )
+
+
 def tolerance(value: Any) -> compare.Tolerance:
     if isinstance(value, compare.Tolerance):
         return value

@@ -14,6 +14,14 @@ The second front end of the engine (`parity CONFIG` is the first): the same chec
 Weights flow both ways: the Linen module's weights are moved into the NNX module's structure
 (`linen-init`), and the NNX module's own weights into Linen's (`nnx-init`); each check runs on
 both. Neither module nor any input tree is modified.
+
+Modules are called as `Call`s say (keyword arguments, arguments for one side only, NNX mode
+attributes, randomness), in order, the state each call updates carried into the next; every
+collection (`batch_stats`, `cache`, your own through `collections=`) is moved with the weights
+and compared after each call, and so is every sown value:
+
+    >>> train = Call((x,), linen={"train": True}, nnx_attributes={"deterministic": False})
+    >>> compare_modules(LinenBlock(), NNXBlock(rngs=nnx.Rngs(0)), [train, evaluate])
 """
 
 from __future__ import annotations
@@ -152,6 +160,7 @@ def compare_modules(
     selected = pair_args.checks(checks, AVAILABLE)
     pair_args.options(linen_variables, rules, mesh, loss_fn, seed, optimizer)
     pair_args.unmapped_state(nnx_module, mapped)
+    pair_args.fit(linen_module, nnx_module, calls)
     common = {
         "calls": calls,
         "loss_fn": loss_fn,

@@ -5,8 +5,10 @@ place. Where Flax's Linen and NNX modules really differ, the test shows the diff
 | pair | needs |
 | --- | --- |
 | Dense/Linear, Embed (lookup, `attend`), LayerNorm, RMSNorm, GroupNorm, Conv, Einsum | nothing |
-| MultiHeadDotProductAttention/MultiHeadAttention | `decode=False` on NNX; the mask as a keyword; for bit-exact gradients on jax 0.10.2, Linen's kernel as NNX's `attention_fn` |
-| the same, decoding | Linen's `init` on the full input (`linen_variables`), `init_cache` on NNX; `cache` <-> `nnx.Cache` (default map) |
+| MultiHeadDotProductAttention/MultiHeadAttention | `decode=False` on NNX; the mask as a keyword; |
+| | bit-exact gradients on jax 0.10.2: Linen's kernel as NNX's `attention_fn` |
+| the same, decoding | `linen_variables` from Linen's `init` on the full input; `init_cache` |
+| | on NNX; `cache` <-> `nnx.Cache` (default map) |
 | BatchNorm | per-call `use_running_average`; `batch_stats` <-> `nnx.BatchStat` (default map) |
 | Dropout | `deterministic` on Linen only (NNX defaults to train mode); `Randomness` |
 | LSTMCell | renames `if` -> `if_` |

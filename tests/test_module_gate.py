@@ -201,6 +201,20 @@ MISUSE = {
         {"collections": {"batch_stats": "BatchStat"}},
         "collections['batch_stats'] is 'BatchStat'",
     ),
+    "attribute": (
+        lambda: (
+            LinenBlock(),
+            port(),
+            Call((X,), {"train": False}, nnx_attributes={"is_training": 1}),
+        ),
+        {},
+        "nnx_attributes 'is_training' is an attribute of no module in NNXBlock",
+    ),
+    "method": (
+        lambda: (LinenBlock(), port(), Call((X,), method="attend")),
+        {},
+        "linen_module (LinenBlock) has no method 'attend'",
+    ),
     "twice": (
         lambda: (LinenBlock(), port(), Call((X,), {"train": True}, linen={"train": False})),
         {},
@@ -286,3 +300,70 @@ def test_the_report_keeps_verdicts_records_and_notes_apart():
 def test_passing_results_render_and_give_exit_zero():
     result = CheckResult("forward", True, "max_rel", 0.0, 0.0, "x", message="note")
     assert pairs.exit_status([result]) == 0 and "notes:\n  forward: note" in format_report([result])
+
+
+# ------------------------------------------------------------------ collections of your own
+
+
+class Counter(nnx.Variable):
+    """The port's counterpart of Linen's `counters` collection."""
+
+
+class Probe(nnx.Intermediate):
+    """Sown into Linen's `probes` collection."""
+
+
+class LinenCounting(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        calls = self.variable("counters", "calls", lambda: jnp.zeros((), jnp.int32))
+        total = self.variable("counters", "total", lambda: jnp.zeros((), jnp.float32))
+        if not self.is_initializing():
+            calls.value += 1
+            total.value += x.sum()
+        y = nn.Dense(3, name="proj")(x)
+        self.sow("probes", "projected", y)
+        return y
+
+
+class NNXCounting(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs, step: int = 1):
+        self.calls = Counter(jnp.zeros((), jnp.int32))
+        self.total = Counter(jnp.zeros((), jnp.float32))
+        self.proj = nnx.Linear(D, 3, rngs=rngs)
+        self.step = step
+
+    def __call__(self, x):
+        self.calls[...] = self.calls[...] + self.step
+        self.total[...] = self.total[...] + x.sum()
+        y = self.proj(x)
+        self.sow(Probe, "projected", y)
+        return y
+
+
+def test_collections_of_your_own_are_mapped_moved_and_compared():
+    mapped = {"counters": Counter, "probes": Probe}
+    twice = [Call((X,), name="first"), Call((X * 2.0,), name="second")]
+    results = compare_modules(
+        LinenCounting(), NNXCounting(rngs=nnx.Rngs(0)), twice, collections=mapped, checks=GATE[:3]
+    )
+    assert not failing(results), format_report(results)
+    tensors = {d["tensor"] for d in results[1].details}
+    assert {
+        "linen-init/second/state/counters/calls",
+        "linen-init/second/state/counters/total",
+        "linen-init/second/sown/probes/projected/0",
+    } <= tensors
+    assert "linen-init/linen->nnx->linen/counters/calls" in {
+        d["tensor"] for d in results[0].details
+    }
+    off_by_one = compare_modules(
+        LinenCounting(),
+        NNXCounting(rngs=nnx.Rngs(0), step=2),
+        twice,
+        collections=mapped,
+        checks=["forward"],
+    )
+    assert failing(off_by_one) == {"forward": "linen-init/first/state/counters/calls"}
+    with pytest.raises(PairArgumentError, match="holds Counter variables"):
+        compare_modules(LinenCounting(), NNXCounting(rngs=nnx.Rngs(0)), twice)

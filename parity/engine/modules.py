@@ -249,7 +249,7 @@ class NNXModuleSide(ModuleSide):
         try:
             if call.nnx_attributes:
                 model.set_attributes(**call.nnx_attributes)
-            out, captured = nnx.capture(
+            out, *captured = nnx.capture(
                 method,
                 *(self.sown_collections.values() or (nnx.Intermediate,)),
                 method_outputs=nnx.Intermediate if capture_all else None,
@@ -257,7 +257,7 @@ class NNXModuleSide(ModuleSide):
         except Exception as error:
             raise SideError(self.framework, f"call {call.name!r}", error) from error
         _, new_state, new_rng = nnx.state(model, nnx.Param, self.state_types, ...)
-        return out, new_state, new_rng, captured
+        return out, new_state, new_rng, nnx.merge_state(*captured)  # one State per sown type
 
     def _linen_key(self, path: tuple, collection: str | None) -> str:
         keys = tuple(k for k in (key_str(k) for k in path) if k != "value")
