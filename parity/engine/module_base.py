@@ -92,10 +92,6 @@ class ModuleSide(Side):
         """Native weights -> (params, state, rng state)."""
         raise NotImplementedError
 
-    def join(self, params: Any, state: Any) -> Any:
-        """(params, state) -> native weights."""
-        raise NotImplementedError
-
     def apply_call(
         self,
         index: int,
@@ -186,11 +182,8 @@ class ModuleSide(Side):
             label = key_str(path[3])
             if label not in self.call_inputs[index].shared:
                 return None
-            return (
-                f"input {label}"
-                if len(self.compared) == 1
-                else (f"input {self.calls[index].name}/{label}")
-            )
+            name = self.calls[index].name
+            return f"input {label}" if len(self.calls) == 1 else f"input {name}/{label}"
         return None
 
     def state_label(self, path: tuple) -> str | None:
