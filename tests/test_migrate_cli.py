@@ -15,6 +15,7 @@ from conftest import CONFIG_DIR
 
 from migrate import checkpoint, cli
 from migrate.config import load_config
+from migrate.meta import CheckpointError, read_meta
 
 # A damaged checkpoint fails an Orbax read while others are in flight; those end in Orbax's
 # closed event loop and Python reports them as unraisable. The CLI silences them (its
@@ -56,7 +57,7 @@ def test_init_then_convert_with_verification(nnx_ckpt, tmp_path, capsys):
     assert "checked before writing: bit-exact" in out.out
     assert "checked before writing: forward" in out.out
     assert "forward check on the converted weights: PASS" in out.err
-    assert checkpoint.read_meta(dst)["framework"] == "linen"
+    assert read_meta(dst)["framework"] == "linen"
 
 
 def test_convert_restages_with_key_value_overrides(nnx_ckpt, tmp_path, capsys):
@@ -67,7 +68,7 @@ def test_convert_restages_with_key_value_overrides(nnx_ckpt, tmp_path, capsys):
     )  # fmt: skip
     assert code == cli.EXIT_OK, capsys.readouterr().err
     assert "nnx, pipeline S=2 R=4 L=1" in capsys.readouterr().out
-    meta = checkpoint.read_meta(dst)
+    meta = read_meta(dst)
     assert meta["stages"] == {"S": 2, "R": 4, "L": 1}
     # Back to the reference layout; a second run needs --force.
     ref = tmp_path / "ref"
@@ -164,7 +165,7 @@ def test_devices_follow_the_source_layout_and_the_overrides(nnx_ckpt, tmp_path):
     meta_file.write_text(json.dumps(meta))
     assert devices_needed({}, str(src)) == 2
     assert devices_needed({"ici_fsdp_parallelism": 4}, str(src)) == 4
-    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint there"):
+    with pytest.raises(CheckpointError, match="no checkpoint there"):
         devices_needed({}, str(tmp_path / "missing"))
 
 
