@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import CONFIG_DIR
 
-from migrate import checkpoint, cli
+from migrate import checkpoint, cli, cli_support
 from migrate.config import load_config
 from migrate.meta import CheckpointError, read_meta
 
@@ -146,6 +146,26 @@ def test_failed_verification_exits_1_and_writes_nothing(nnx_ckpt, tmp_path, caps
     err = capsys.readouterr().err
     assert f"verification failed; {dst} was not written" in err
     assert "params:token_embedder: 1 byte differs" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("child_status", "expected"),
+    [(2, cli.EXIT_USAGE), (3, cli.EXIT_INTERNAL), (4, cli.EXIT_INTERNAL)],
+)
+def test_a_forward_check_that_cannot_run_is_not_a_verdict(
+    child_status, expected, nnx_ckpt, tmp_path, capsys, monkeypatch
+):
+    """`--verify_forward`'s parity child exiting 2 is bad input; a crash or a lost worker of the
+    child is an internal error, never exit 1 (a verdict on the weights); nothing is written."""
+    finished = subprocess.CompletedProcess([], child_status, "", "the child's last line\n")
+    monkeypatch.setattr(cli.subprocess, "run", lambda *args, **kwargs: finished)
+    dst = tmp_path / "dst"
+    args = ("convert", CONFIG, "--from=nnx", "--to=linen", "--verify_forward", nnx_ckpt, dst)
+    code = cli_support.guarded("migrate", lambda: migrate(*map(str, args)), lambda: False)
+    assert code == expected
+    err = capsys.readouterr().err
+    assert f"could not run (exit {child_status}): the child's last line" in err
     assert list(tmp_path.iterdir()) == []
 
 
