@@ -91,8 +91,10 @@ def dispatch_overhead(session: DecoderPair, calls: int, rounds: int) -> dict[str
     tokens = session.train_batch["inputs"]
     functional = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
     module_jit = nnx.jit(lambda m, t: m(t))
-    fns = {"jax.jit(split state)": lambda: functional(params, tokens),
-           "nnx.jit(module)": lambda: module_jit(model, tokens)}
+    fns = {
+        "jax.jit(split state)": lambda: functional(params, tokens),
+        "nnx.jit(module)": lambda: module_jit(model, tokens),
+    }
     samples: dict[str, list[list[float]]] = {name: [] for name in fns}
     for fn in fns.values():
         _timed(fn)
@@ -132,10 +134,13 @@ def main() -> None:
             a, b = getattr(compiled["linen"], field), getattr(compiled["nnx"], field)
             print(f"| {name} | {field} | {a:.4g}{unit} | {b:.4g}{unit} | {b / a:.3f} | |")
         same = compiled["linen"].program == compiled["nnx"].program
-        print(f"| {name} | optimised program fingerprint | {compiled['linen'].program} | "
-              f"{compiled['nnx'].program} | {'same' if same else 'DIFFERENT'} | |")
-        times = step_times(session, args.steps if name == "tiny" else args.medium_steps,
-                           args.rounds)
+        print(
+            f"| {name} | optimised program fingerprint | {compiled['linen'].program} | "
+            f"{compiled['nnx'].program} | {'same' if same else 'DIFFERENT'} | |"
+        )
+        times = step_times(
+            session, args.steps if name == "tiny" else args.medium_steps, args.rounds
+        )
         (a, na), (b, nb) = times["linen"], times["nnx"]
         print(
             f"| {name} | train step ms (median) | {a * 1e3:.2f} | {b * 1e3:.2f} | "

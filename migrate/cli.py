@@ -152,7 +152,8 @@ def forward_problems(path: Path, spec, overrides: Sequence[str] = ()) -> list[st
         finished = subprocess.run(command, capture_output=True, text=True)
         status = finished.returncode
         result = _forward_result(report) if report.exists() else None
-    progress(f"forward check on the converted weights: exit {status}")
+    verdicts = {errors.EXIT_PASS: "PASS", errors.EXIT_FAIL: "FAIL"}
+    progress(f"forward check on the converted weights: {verdicts.get(status, f'exit {status}')}")
     if status == errors.EXIT_PASS:
         return []
     if status == errors.EXIT_FAIL and result is not None:
@@ -161,7 +162,11 @@ def forward_problems(path: Path, spec, overrides: Sequence[str] = ()) -> list[st
             f"tolerance {result['tolerance']:.3g} {result['message']}".strip()
         ]
     last = (finished.stderr.strip().splitlines() or ["no output"])[-1]
-    raise errors.BadInput(f"--verify_forward: the parity forward check could not run: {last}")
+    why = f"--verify_forward: the parity forward check could not run (exit {status}): {last}"
+    if status == errors.EXIT_USAGE:
+        raise errors.BadInput(why)
+    # A crash or a lost worker of the child is not a verdict on the weights, nor bad input.
+    raise RuntimeError(why)
 
 
 def _forward_result(report: Path) -> dict[str, Any] | None:
@@ -214,7 +219,7 @@ def _run(argv: Sequence[str]) -> int:
         memory.check_fits(needed, what=f"{command} {paths[-1]}")
     ensure_simulated_devices(target_cfg.num_devices)
 
-    from migrate import checkpoint
+    from migrate import checkpoint, train_state
     from migrate.convert import ConversionError
     from migrate.layout import LayoutError
 
@@ -222,7 +227,7 @@ def _run(argv: Sequence[str]) -> int:
         if command == "init":
             spec_cfg = with_changes(cfg, changes)
             layout = FLAGS.layout or ("pipeline" if spec_cfg.using_pipeline else "reference")
-            spec = checkpoint.Spec(FLAGS.framework, layout, spec_cfg)
+            spec = train_state.Spec(FLAGS.framework, layout, spec_cfg)
             outcome = checkpoint.init_checkpoint(paths[0], spec, FLAGS.force)
         else:
             forward = functools.partial(forward_problems, overrides=overrides)

@@ -306,10 +306,10 @@ def _run(argv: Sequence[str]) -> int:
 
     pair = DecoderPair(cfg)
     if stored is not None:
-        from migrate import checkpoint
+        from migrate import checkpoint_io, train_state
 
-        spec = checkpoint.Spec(stored["framework"], stored["layout"], cfg)
-        state = checkpoint.restore(FLAGS.checkpoint, spec, pair.mesh, stored)
+        spec = train_state.Spec(stored["framework"], stored["layout"], cfg)
+        state = checkpoint_io.restore(FLAGS.checkpoint, spec, pair.mesh, stored)
         pair.use_weights(spec.framework, state.params)
         progress(f"weights from {FLAGS.checkpoint}: {spec.describe()}, step {state.step}")
     progress(_plan(cfg, selected))
