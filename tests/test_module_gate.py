@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from migrate import errors
-from parity import pairs
+from parity import compare, pairs
 from parity.engine.result import CheckResult
 from parity.pairs import Call, PairArgumentError, Randomness, compare_modules, format_report
 
@@ -367,3 +367,19 @@ def test_collections_of_your_own_are_mapped_moved_and_compared():
     assert failing(off_by_one) == {"forward": "linen-init/first/state/counters/calls"}
     with pytest.raises(PairArgumentError, match="holds Counter variables"):
         compare_modules(LinenCounting(), NNXCounting(rngs=nnx.Rngs(0)), twice)
+
+
+class ReturnsHidden(NNXBlock):
+    def __call__(self, x, dropout_key=None):
+        return super().__call__(x, dropout_key), self.up(x)
+
+
+def test_outputs_of_another_structure_are_named_by_side_and_path():
+    results = compare_modules(LinenBlock(), port(ReturnsHidden), ALIGNED[1:], checks=["forward"])
+    failed = {d["tensor"]: d["note"] for d in results[0].details if not d["passed"]}
+    assert failed["linen-init/outputs"] == "on the Linen side only"
+    assert failed["linen-init/outputs/1"] == "on the NNX side only"
+    with pytest.raises(compare.TreeMismatch, match=r"only in NNX: \['b'\]; only in Linen: \['a'\]"):
+        compare.compare_trees({"b": X}, {"a": X}, ("NNX", "Linen"))
+    with pytest.raises(compare.TreeMismatch, match=r"w: shapes differ: NNX \(2,\) vs Linen \(3,\)"):
+        compare.compare_trees({"w": X[0, :2]}, {"w": X[0, :3]}, ("NNX", "Linen"))

@@ -126,9 +126,16 @@ def numeric_records(
     ]
 
 
-def tree_records(prefix: str, actual: Any, expected: Any, tol: compare.Tolerance) -> list[dict]:
-    """Records for two trees (or arrays) of the same structure."""
-    return numeric_records(prefix, compare.compare_trees(actual, expected), tol)
+def tree_records(
+    prefix: str,
+    actual: Any,
+    expected: Any,
+    tol: compare.Tolerance,
+    labels: tuple[str, str] | None = ("NNX", "Linen"),
+) -> list[dict]:
+    """Records for two trees (or arrays) of the same structure (`labels`: the sides, for a
+    mismatch's message)."""
+    return numeric_records(prefix, compare.compare_trees(actual, expected, labels), tol)
 
 
 def one_sided_record(tensor: str, note: str) -> dict:
@@ -170,7 +177,7 @@ def keyed_records(prefix: str, nnx: Any, linen: Any, tol: compare.Tolerance) -> 
 
 def exact_records(prefix: str, actual: Any, expected: Any) -> list[dict]:
     """Records of two trees that must be bit-identical, dtypes included (a round trip)."""
-    records = tree_records(prefix, actual, expected, compare.EXACT)
+    records = tree_records(prefix, actual, expected, compare.EXACT, ("after", "before"))
     dtypes_a = [str(np.asarray(x).dtype) for x in _host_leaves(actual)]
     dtypes_b = [str(np.asarray(x).dtype) for x in _host_leaves(expected)]
     for record, dtype_a, dtype_b in zip(records, dtypes_a, dtypes_b, strict=True):
