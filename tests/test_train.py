@@ -12,13 +12,14 @@ from conftest import tiny
 from migrate import optim, sharding
 from migrate.linen import train as linen_train
 from migrate.nnx import train as nnx_train
-from parity import checks, runs
-from parity.data import synthetic_batch
+from parity.decoder import twins
+from parity.decoder.data import synthetic_batch
+from parity.decoder.session import DecoderPair
 
 
 @functools.cache
-def session(name: str) -> checks.Session:
-    return checks.Session(tiny(name))
+def session(name: str) -> DecoderPair:
+    return DecoderPair(tiny(name))
 
 
 def _specs(shardings) -> list[str]:
@@ -29,7 +30,7 @@ def test_declared_shardings_follow_the_names_and_moments_follow_their_parameters
     cfg = tiny("llama2-tiny-tp")
     mesh = sharding.abstract_mesh(cfg)
     tx = optim.make_optimizer(cfg)
-    linen_abstract = runs.linen_abstract_variables(cfg, mesh)["params"]
+    linen_abstract = twins.linen_abstract_variables(cfg, mesh)["params"]
     params, opt_state = linen_train.train_state_shardings(linen_abstract, mesh, cfg, tx)
     boxes = jax.tree.leaves(
         linen_abstract, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)
@@ -42,7 +43,7 @@ def test_declared_shardings_follow_the_names_and_moments_follow_their_parameters
     assert str(adam.count.spec) == "P()"  # step counts are replicated
     assert "P(None, 'stage', None)" in _specs(params)  # stage norms: not sharded over tensor
 
-    _, nnx_abstract = runs.nnx_abstract(cfg, mesh)
+    _, nnx_abstract = twins.nnx_abstract(cfg, mesh)
     nnx_params, nnx_opt_state = nnx_train.train_state_shardings(nnx_abstract, mesh, cfg, tx)
     assert _specs(nnx_params) == _specs(params)
     assert _specs(nnx_opt_state) == _specs(opt_state)
@@ -55,12 +56,12 @@ def test_pinned_train_step_keeps_the_declared_shardings_step_after_step(framewor
     s = session("llama2-tiny-tp")
     if framework == "linen":
         params = s.linen_variables["params"]
-        step, _ = runs.linen_train_fns(s.cfg, s.mesh)
-        declared = runs.linen_train_shardings(s.cfg, s.mesh)
+        step, _ = twins.linen_train_fns(s.cfg, s.mesh)
+        declared = twins.linen_train_shardings(s.cfg, s.mesh)
     else:
-        params = runs.linen_to_nnx_params(s.cfg, s.mesh, s.linen_variables)
-        step, _ = runs.nnx_train_fns(s.cfg, s.mesh)
-        declared = runs.nnx_train_shardings(s.cfg, s.mesh)
+        params = twins.linen_to_nnx_params(s.cfg, s.mesh, s.linen_variables)
+        step, _ = twins.nnx_train_fns(s.cfg, s.mesh)
+        declared = twins.nnx_train_shardings(s.cfg, s.mesh)
     opt_state = optim.make_optimizer(s.cfg).init(params)
     for i in range(3):
         params, opt_state, metrics = step(params, opt_state, synthetic_batch(s.cfg, s.mesh, i))
