@@ -459,3 +459,32 @@ def test_no_false_alarms_for_seeds_0_to_4(seed, tmp_path):
         "bubbles",
         "train",
     }
+
+
+# Issue 12's kinds on shipped configs other than llama2-tiny: a cheap subset of the matrix that
+# bench/bug_matrix.py runs in full (every kind on every config, docs/configs.md).
+# bug, config, the one check run, the text its `where` must contain
+CROSS_CONFIG_BUGS = [
+    (bubbles_unmasked, "llama2-tiny-delay", "bubbles", "nnx/grads/params/pipeline"),
+    (
+        stage_keys_reused,  # stages stacked around the scanned layers_per_stage axis
+        "llama2-tiny-scan",
+        "init",
+        "pipeline/layers/layers/mlp/wi_0/kernel: distinct stacked slices",
+    ),
+    (init_scale_wrong, "llama2-tiny-bf16", "init", "mlp/wo/kernel: log std ratio"),
+    (mlp_constraint_dropped, "llama2-tiny-tp", "program", "pre-optimisation HLO: only in Linen"),
+]
+
+
+@pytest.mark.parametrize(
+    "bug", CROSS_CONFIG_BUGS, ids=[f"{b[0].__name__}-{b[1]}" for b in CROSS_CONFIG_BUGS]
+)
+def test_issue_12_kinds_are_caught_on_other_configs(bug, monkeypatch, fresh_nnx, tmp_path):
+    inject, name, check, place = bug
+    inject(monkeypatch)
+    status, report = run_cli(tmp_path, str(CONFIG_DIR / f"{name}.yml"), f"--checks={check}")
+    assert status == cli.EXIT_FAIL
+    where = failing(report)
+    assert set(where) == {check}, where
+    assert place in where[check], where[check]
