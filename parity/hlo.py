@@ -225,6 +225,39 @@ def loops(hlo_text: str) -> list[Loop]:
     return found
 
 
+def outside_loops(hlo_text: str) -> list[tuple[str, Collective]]:
+    """(direction, collective) for every collective that no while loop issues: the entry
+    computation's and those of the computations it calls, loop bodies excluded. The direction
+    is "backward" when the collective comes from a transpose (autodiff), else "forward"."""
+    computations, entry = _computations(hlo_text)
+    num_devices = int(m[1]) if (m := re.search(r"num_partitions=(\d+)", hlo_text)) else 1
+    found: list[tuple[str, Collective]] = []
+
+    def visit(name: str, seen: set[str]) -> None:
+        if name in seen or name not in computations:
+            return
+        seen.add(name)
+        for line in computations[name]:
+            if re.search(r"\swhile\(", line):
+                continue
+            if m := _INSTRUCTION.search(line):
+                instruction = _NAME_OF.match(line)
+                op_name = m2.group(1) if (m2 := _OP_NAME.search(line)) else ""
+                collective = Collective(
+                    m.group(1),
+                    instruction.group(1) if instruction else "?",
+                    device_groups(line, num_devices),
+                    op_name,
+                )
+                found.append(("backward" if "transpose(" in op_name else "forward", collective))
+            for called in _called(line):
+                visit(called, seen)
+
+    if entry is not None:
+        visit(entry, set())
+    return found
+
+
 def loop_collective_counts(hlo_text: str) -> dict[str, int]:
     """Collectives of the program's outermost loop bodies, by direction and kind, with the
     backward's rematerialised ones counted apart: `{"backward all-gather recomputed": 7, ...}`.

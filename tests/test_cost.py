@@ -32,6 +32,32 @@ def test_compile_check_nnx_costs_what_linen_costs():
     assert "per device: linen args" in result.message
 
 
+def test_compile_check_reports_aliased_and_peak_bytes_of_the_donated_train_step():
+    """The train step donates parameters and optimizer state: per device the outputs reuse
+    the arguments' buffers, and the peak is arguments + temp + outputs - aliased, reported
+    under exactly these names for both twins and compared."""
+    result = checks.compile_cost(session("llama2-tiny"))
+    by_field = {r["tensor"]: r for r in result.details}
+    for twin in ("linen", "nnx"):
+        args, temp, out, alias, peak = (
+            by_field[f][twin]
+            for f in ("argument_bytes", "temp_bytes", "output_bytes", "alias_bytes", "peak_bytes")
+        )
+        cfg = session("llama2-tiny").cfg
+        batch = 2 * 4 * cfg.global_batch_size * cfg.max_target_length // 2  # int32 x2, /fsdp
+        assert alias == args - batch > 0  # every argument but the batch is donated
+        assert 0 < out - alias < 1024  # what is not aliased: the metrics (and tuple tables)
+        assert peak == args + temp + out - alias
+    for field in ("alias_bytes", "peak_bytes"):
+        assert by_field[field]["gated"] and by_field[field]["passed"]
+        assert by_field[field]["ratio"] == 1.0
+    assert "aliased" in result.message and "peak" in result.message
+    # The reshards into and out of the pipeline are counted: the gather into it across stages.
+    outside = {r["tensor"]: r for r in result.details if r["tensor"].startswith("outside")}
+    assert outside["outside the loop forward: all-gather across stages"]["nnx"] >= 1
+    assert all(r["passed"] and r["linen"] == r["nnx"] for r in outside.values())
+
+
 def test_compile_check_arguments_are_sharded_not_replicated():
     """Abstract params and optimizer moments carry their shardings: per-device argument bytes
     are the real arrays' (8-way over stage x fsdp), not a replicated copy."""

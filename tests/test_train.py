@@ -54,14 +54,12 @@ def test_pinned_train_step_keeps_the_declared_shardings_step_after_step(framewor
     pinned step returns exactly the declared shardings, so any number of steps runs."""
     s = session("llama2-tiny-tp")
     if framework == "linen":
-        params = s.linen_variables["params"]
         step, _ = runs.linen_train_fns(s.cfg, s.mesh)
         declared = runs.linen_train_shardings(s.cfg, s.mesh)
     else:
-        params = runs.linen_to_nnx_params(s.cfg, s.mesh, s.linen_variables)
         step, _ = runs.nnx_train_fns(s.cfg, s.mesh)
         declared = runs.nnx_train_shardings(s.cfg, s.mesh)
-    opt_state = optim.make_optimizer(s.cfg).init(params)
+    params, opt_state, _, _ = s.train_start(framework)  # copies: the step donates them
     for i in range(3):
         params, opt_state, metrics = step(params, opt_state, synthetic_batch(s.cfg, s.mesh, i))
         for array, expected in zip(
@@ -69,3 +67,27 @@ def test_pinned_train_step_keeps_the_declared_shardings_step_after_step(framewor
         ):
             assert array.sharding.is_equivalent_to(expected, array.ndim)
     assert float(metrics["grad_norm"]) > 0
+
+
+@pytest.mark.parametrize("framework", ["linen", "nnx"])
+def test_train_step_donates_the_state_and_the_session_keeps_its_weights(framework):
+    """Parameters and optimizer state go into the step and its outputs take their buffers
+    (aliased as much as the state weighs); the session's own weights, which every other check
+    reads, are never the ones donated."""
+    s = session("llama2-tiny-tp")
+    params, opt_state, step, _ = s.train_start(framework)
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves((params, opt_state)))
+    per_device_state = sum(
+        shard.data.nbytes
+        for x in jax.tree.leaves((params, opt_state))
+        for shard in x.addressable_shards
+        if shard.device == jax.devices()[0]
+    )
+    assert step.memory_analysis().alias_size_in_bytes == per_device_state > 0
+    new_params, new_opt_state, _ = step(params, opt_state, synthetic_batch(s.cfg, s.mesh))
+    assert all(x.is_deleted() for x in jax.tree.leaves((params, opt_state)))
+    assert not any(x.is_deleted() for x in jax.tree.leaves((new_params, new_opt_state)))
+    assert sum(x.nbytes for x in jax.tree.leaves((new_params, new_opt_state))) == state_bytes
+    assert not any(x.is_deleted() for x in jax.tree.leaves(s.linen_variables))
+    again, _, _, _ = s.train_start(framework)  # a fresh copy each time
+    assert not any(x.is_deleted() for x in jax.tree.leaves(again))
