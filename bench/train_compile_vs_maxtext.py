@@ -101,7 +101,8 @@ def run_side(side: str, args, cfg, scratch: Path, maxtext_python: str) -> dict:
         command += maxtext_overrides(cfg)
         env["DECOUPLE_GCLOUD"] = "TRUE"
     else:
-        command = [sys.executable, __file__, "--worker", side, "--out", out, "--config", args.config]
+        command = [sys.executable, __file__, "--worker", side, "--out", out]
+        command += ["--config", args.config]
     log = scratch / f"{side}.log"
     with log.open("w") as stream:
         code = subprocess.call(command, stdout=stream, stderr=subprocess.STDOUT, env=env, cwd=ROOT)

@@ -109,7 +109,10 @@ class Session:
             return params, self.own_train_step("linen"), evaluate
         params = runs.linen_to_nnx_params(self.cfg, self.mesh, self.linen_variables)
         step, evaluate = runs.nnx_train_fns(self.cfg, self.mesh)
-        opt_state = jax.eval_shape(optim.make_optimizer(self.cfg).init, params)
+        # A real optimizer state, not `jax.eval_shape`'s (which carries no shardings): a step
+        # jitted without pinned shardings (tests/test_injected_bugs.py) must be compiled for
+        # the arguments the train check will pass it.
+        opt_state = optim.make_optimizer(self.cfg).init(params)
         return params, step.lower(params, opt_state, self.batch).compile(), evaluate
 
     @functools.cache  # noqa: B019
