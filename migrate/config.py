@@ -239,7 +239,8 @@ def _violations(cfg: Config) -> list[str]:
         + ", ".join(f"{a}={cfg.mesh_shape.get(a, 1)}" for a in vocab_axes)
         + ": the embedding and logits tables shard vocab over "
         + " x ".join(vocab_axes)
-        + " (logical_axis_rules), so vocab_size must be divisible by that",
+        + " (logical_axis_rules), so vocab_size must be divisible by that (or map vocab to "
+        + "fewer axes in logical_axis_rules)",
     )
     need(
         cfg.base_emb_dim % cfg.ici_fsdp_parallelism == 0,

@@ -58,6 +58,18 @@ def test_compile_check_reports_aliased_and_peak_bytes_of_the_donated_train_step(
     assert all(r["passed"] and r["linen"] == r["nnx"] for r in outside.values())
 
 
+def test_collectives_outside_the_loops_and_in_their_bodies_partition_the_program():
+    """Every collective of the compiled step is either in a pipeline loop's body or outside
+    the loops (`hlo.outside_loops`, where the reshards into and out of the pipeline are
+    counted), never both, never neither; and outside the loops there are both directions."""
+    cfg = tiny("llama2-tiny")
+    compiled = cost.compile_train_step(cfg, sharding.make_mesh(cfg), "nnx")
+    in_loops = sum(len(loop.collectives) for loop in compiled.loops)
+    assert len(compiled.loops) == 2 and in_loops > 0
+    assert in_loops + len(compiled.outside_loops) == sum(compiled.collectives.values())
+    assert {direction for direction, _ in compiled.outside_loops} == {"forward", "backward"}
+
+
 def test_compile_check_arguments_are_sharded_not_replicated():
     """Abstract params and optimizer moments carry their shardings: per-device argument bytes
     are the real arrays' (8-way over stage x fsdp), not a replicated copy."""
