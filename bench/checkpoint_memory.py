@@ -73,10 +73,10 @@ def footprint(spec, mesh) -> int:
     import jax
     import numpy as np
 
-    from migrate import checkpoint
+    from migrate import train_state
 
-    template = checkpoint.abstract_state(spec, mesh)
-    leaves = jax.tree.leaves(checkpoint.to_pure((template.params, template.opt_state)))
+    template = train_state.abstract_state(spec, mesh)
+    leaves = jax.tree.leaves(train_state.to_pure((template.params, template.opt_state)))
     return sum(
         int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize * mesh.devices.size
         for x in leaves
@@ -95,12 +95,12 @@ def write_source(path: str, overrides: Sequence[str]) -> dict[str, Any]:
     import jax
     import numpy as np
 
-    from migrate import checkpoint, sharding
+    from migrate import checkpoint_io, sharding, train_state
 
     cfg = config(overrides)
-    spec = checkpoint.Spec("linen", "pipeline", cfg)
+    spec = train_state.Spec("linen", "pipeline", cfg)
     mesh = sharding.make_mesh(cfg)
-    template = checkpoint.abstract_state(spec, mesh)
+    template = train_state.abstract_state(spec, mesh)
     rng = np.random.default_rng(0)
 
     def fill(x):
@@ -110,10 +110,10 @@ def write_source(path: str, overrides: Sequence[str]) -> dict[str, Any]:
         return jax.device_put(np.abs(value) * 1e-3, x.sharding)
 
     trees = (template.params, template.opt_state)
-    params, opt_state = checkpoint.from_pure(trees, jax.tree.map(fill, checkpoint.to_pure(trees)))
-    state = checkpoint.TrainState(params, opt_state, 1000)
-    checkpoint.save(path, spec, state)
-    leaves = jax.tree.leaves(checkpoint.to_pure((params, opt_state)))
+    params, opt_state = train_state.from_pure(trees, jax.tree.map(fill, train_state.to_pure(trees)))
+    state = train_state.TrainState(params, opt_state, 1000)
+    checkpoint_io.save(path, spec, state)
+    leaves = jax.tree.leaves(train_state.to_pure((params, opt_state)))
     disk = sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
     nbytes = sum(x.nbytes for x in leaves)
     return {"arrays": len(leaves), "nbytes": nbytes, "disk_bytes": disk}
@@ -125,7 +125,7 @@ def measure(
     """Child: one row's operation, with the peak RSS growth it causes."""
     import jax
 
-    from migrate import checkpoint, cli, sharding
+    from migrate import checkpoint, checkpoint_io, cli, sharding, train_state
 
     if allocator == "cli":
         cli.return_freed_memory()  # what the `migrate` command does first
@@ -138,10 +138,10 @@ def measure(
     reset_peak()
     start = time.perf_counter()
     if kwargs is None:
-        spec = checkpoint.Spec("linen", "pipeline", cfg)
+        spec = train_state.Spec("linen", "pipeline", cfg)
         mesh = sharding.make_mesh(cfg)
-        state = checkpoint.restore(src, spec, mesh)
-        leaves = jax.tree.leaves(checkpoint.to_pure((state.params, state.opt_state)))
+        state = checkpoint_io.restore(src, spec, mesh)
+        leaves = jax.tree.leaves(train_state.to_pure((state.params, state.opt_state)))
         resident = sum(s.data.nbytes for x in leaves for s in x.addressable_shards)
         assert resident == footprint(spec, mesh)
     else:

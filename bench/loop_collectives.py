@@ -1,5 +1,5 @@
 """Collectives per pipeline-loop body (forward / backward) of each config's compiled train step,
-across stages against `parity.cost.loop_body_minimum` and within stages, with temp memory:
+across stages against `parity.decoder.cost.loop_body_minimum` and within stages, with temp memory:
 the table in docs/performance.md.
 
     PYTHONPATH=. .venv/bin/python bench/loop_collectives.py [CONFIG ...]
@@ -22,7 +22,8 @@ from pathlib import Path  # noqa: E402
 
 from migrate import sharding  # noqa: E402
 from migrate.config import load_config  # noqa: E402
-from parity import cost, hlo  # noqa: E402
+from parity import hlo  # noqa: E402
+from parity.decoder import cost  # noqa: E402
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIGS = (

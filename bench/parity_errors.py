@@ -23,7 +23,9 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 
 from migrate.config import load_config  # noqa: E402
-from parity import checks, compare  # noqa: E402
+from parity import compare  # noqa: E402
+from parity.decoder import checks as decoder_checks  # noqa: E402
+from parity.decoder.session import DecoderPair  # noqa: E402
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIGS = tuple(sorted(p.stem for p in CONFIG_DIR.glob("llama2-tiny*.yml")))
@@ -34,12 +36,12 @@ def worst(details, prefix: str) -> float:
     return max((d["max_rel"] for d in details if d["tensor"].startswith(prefix)), default=0.0)
 
 
-def pipeline_parts(session: checks.Session) -> dict[str, float]:
+def pipeline_parts(session: DecoderPair) -> dict[str, float]:
     """Worst pipeline-vs-reference error per part, over both frameworks."""
-    details = checks.pipeline(session).details
+    details = decoder_checks.pipeline(session).details
     return {
         part: max(worst(details, f"{fw}/{part}") for fw in ("linen", "nnx"))
-        for part in checks.PIPELINE_PARTS
+        for part in decoder_checks.PIPELINE_PARTS
     }
 
 
@@ -49,15 +51,15 @@ def measure(
     cfg = load_config(CONFIG_DIR / f"{name}.yml", overrides)
     row: dict[str, float] = {}
     for seed in seeds:
-        session = checks.Session(cfg.replace(seed=seed))
+        session = DecoderPair(cfg.replace(seed=seed))
         for part, value in pipeline_parts(session).items():
             row[f"pipeline/{part}"] = max(row.get(f"pipeline/{part}", 0.0), value)
         if seed == seeds[0] and not pipeline_only:
             for check in TWIN_CHECKS:
-                fn = checks.CHECKS[check]
-                result = checks.train(session, steps=3) if check == "train" else fn(session)
+                fn = decoder_checks.CHECKS[check]
+                result = fn(session, 3) if check == "train" else fn(session)
                 row[check] = result.value
-            efficiency = checks.efficiency(session)
+            efficiency = decoder_checks.efficiency(session)
             row["efficiency"] = efficiency.value
             row["loop elementwise"] = (
                 efficiency.details[0]["loop_elementwise_overhead"] if efficiency.details else 0.0
@@ -83,15 +85,15 @@ def main() -> None:
     runs = [(name, list(args.overrides)) for name in args.configs]
     runs += [(v.split()[0], v.split()[1:]) for v in args.variant]
     print(f"jax {jax.__version__}, seeds {args.seeds}\n")
-    parts = " | ".join(checks.PIPELINE_PARTS)
+    parts = " | ".join(decoder_checks.PIPELINE_PARTS)
     twins = " | ".join(TWIN_CHECKS)
     print(
         f"| config | pipeline: {parts} | pipeline tier | {twins} | efficiency | loop elementwise |"
     )
-    print("| --- |" + " ---: |" * (len(checks.PIPELINE_PARTS) + len(TWIN_CHECKS) + 3))
+    print("| --- |" + " ---: |" * (len(decoder_checks.PIPELINE_PARTS) + len(TWIN_CHECKS) + 3))
     for name, overrides in runs:
         row = measure(name, overrides, args.seeds, args.pipeline_only)
-        cells = [f"{row[f'pipeline/{p}']:.2e}" for p in checks.PIPELINE_PARTS]
+        cells = [f"{row[f'pipeline/{p}']:.2e}" for p in decoder_checks.PIPELINE_PARTS]
         cells += [f"{row['tier']:.2e}"]
         if args.pipeline_only:
             cells += ["-"] * (len(TWIN_CHECKS) + 2)

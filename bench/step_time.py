@@ -30,7 +30,8 @@ from flax import nnx  # noqa: E402
 from migrate import sharding  # noqa: E402
 from migrate.config import load_config  # noqa: E402
 from migrate.nnx import decoder as nnx_decoder  # noqa: E402
-from parity import checks, cost, runs  # noqa: E402
+from parity.decoder import cost, twins  # noqa: E402
+from parity.decoder.session import DecoderPair  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "llama2-tiny.yml"
 CONFIGS = {
@@ -56,20 +57,23 @@ def _median_and_spread(samples: list[list[float]]) -> tuple[float, float]:
     return statistics.median(medians), max(medians) / min(medians)
 
 
-def step_times(session: checks.Session, steps: int, rounds: int) -> dict[str, tuple]:
+def step_times(session: DecoderPair, steps: int, rounds: int) -> dict[str, tuple]:
     """Median train-step seconds per twin, stepping alternately from the same weights."""
-    state = {fw: list(session.train_start(fw)[:3]) for fw in ("linen", "nnx")}
+    trainers = {
+        fw: session.side(fw).trainer(session.weights(fw, "linen")) for fw in ("linen", "nnx")
+    }
+    state = {fw: [t.params, t.opt_state, t.step] for fw, t in trainers.items()}
     samples: dict[str, list[list[float]]] = {"linen": [], "nnx": []}
     for fw in state:  # warm-up
         params, opt, step = state[fw]
-        state[fw][:2] = jax.block_until_ready(step(params, opt, session.batch))[:2]
+        state[fw][:2] = jax.block_until_ready(step(params, opt, session.train_batch))[:2]
     for _ in range(rounds):
         per_round: dict[str, list[float]] = {"linen": [], "nnx": []}
         for _ in range(steps):
             for fw in ("linen", "nnx"):
                 params, opt, step = state[fw]
                 start = time.perf_counter()
-                params, opt, _ = jax.block_until_ready(step(params, opt, session.batch))
+                params, opt, _ = jax.block_until_ready(step(params, opt, session.train_batch))
                 per_round[fw].append(time.perf_counter() - start)
                 state[fw][:2] = params, opt
         for fw in samples:
@@ -77,18 +81,20 @@ def step_times(session: checks.Session, steps: int, rounds: int) -> dict[str, tu
     return {fw: _median_and_spread(s) for fw, s in samples.items()}
 
 
-def dispatch_overhead(session: checks.Session, calls: int, rounds: int) -> dict[str, tuple]:
+def dispatch_overhead(session: DecoderPair, calls: int, rounds: int) -> dict[str, tuple]:
     """Host seconds per call of the same forward, `nnx.jit` on the module against `jax.jit`
     on split state: calls are issued back to back without waiting (asynchronous dispatch), so
     the time is what Python and the dispatcher spend, not the computation."""
     cfg, mesh = session.cfg, session.mesh
     model = nnx_decoder.init_model(cfg, mesh)
     graphdef, params = nnx.split(model)
-    tokens = session.batch["inputs"]
+    tokens = session.train_batch["inputs"]
     functional = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
     module_jit = nnx.jit(lambda m, t: m(t))
-    fns = {"jax.jit(split state)": lambda: functional(params, tokens),
-           "nnx.jit(module)": lambda: module_jit(model, tokens)}
+    fns = {
+        "jax.jit(split state)": lambda: functional(params, tokens),
+        "nnx.jit(module)": lambda: module_jit(model, tokens),
+    }
     samples: dict[str, list[list[float]]] = {name: [] for name in fns}
     for fn in fns.values():
         _timed(fn)
@@ -117,7 +123,7 @@ def main() -> None:
     for name in args.configs.split(","):
         cfg = load_config(CONFIG, CONFIGS[name])
         mesh = sharding.make_mesh(cfg)
-        session = checks.Session(cfg)
+        session = DecoderPair(cfg)
         compiled = {fw: cost.compile_train_step(cfg, mesh, fw) for fw in ("linen", "nnx")}
         for field, unit in (
             ("compile_seconds", "s"),
@@ -128,10 +134,13 @@ def main() -> None:
             a, b = getattr(compiled["linen"], field), getattr(compiled["nnx"], field)
             print(f"| {name} | {field} | {a:.4g}{unit} | {b:.4g}{unit} | {b / a:.3f} | |")
         same = compiled["linen"].program == compiled["nnx"].program
-        print(f"| {name} | optimised program fingerprint | {compiled['linen'].program} | "
-              f"{compiled['nnx'].program} | {'same' if same else 'DIFFERENT'} | |")
-        times = step_times(session, args.steps if name == "tiny" else args.medium_steps,
-                           args.rounds)
+        print(
+            f"| {name} | optimised program fingerprint | {compiled['linen'].program} | "
+            f"{compiled['nnx'].program} | {'same' if same else 'DIFFERENT'} | |"
+        )
+        times = step_times(
+            session, args.steps if name == "tiny" else args.medium_steps, args.rounds
+        )
         (a, na), (b, nb) = times["linen"], times["nnx"]
         print(
             f"| {name} | train step ms (median) | {a * 1e3:.2f} | {b * 1e3:.2f} | "
@@ -145,7 +154,7 @@ def main() -> None:
                 f"{a * 1e3:.2f} | {b * 1e3:.2f} | {b / a:.2f} | {na:.3f}, {nb:.3f} |"
             )
         del session
-        runs.clear_nnx_caches()
+        twins.clear_nnx_caches()
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ analysis), collectives and compile time, side by side.
 Every compile runs in a fresh process with 8 simulated CPU devices and no persistent
 compilation cache, the sides in turn: MaxText's `train_compile` as shipped
 (`bench/maxtext/train_compile_worker.py`, in MaxText's own environment, `compile_topology=a3`,
-`DECOUPLE_GCLOUD=TRUE`) and each of our twins (`parity.cost.compile_train_step`, what
+`DECOUPLE_GCLOUD=TRUE`) and each of our twins (`parity.decoder.cost.compile_train_step`, what
 `parity configs/llama2-7b.yml --checks=compile` compiles). Memory, FLOPs and collectives are
 the same every round; compile time is the median over rounds (jit, lower and compile).
 `--maxtext_no_donation` adds MaxText with the train state's donation dropped.
@@ -74,7 +74,7 @@ def our_worker(config: str, framework: str, out: str) -> None:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
     from migrate import config as config_lib
     from migrate import sharding
-    from parity import cost
+    from parity.decoder import cost
 
     cfg = config_lib.load_config(config)
     compiled = cost.compile_train_step(cfg, sharding.make_mesh(cfg), framework)

@@ -37,7 +37,7 @@ from migrate import sharding  # noqa: E402
 from migrate.config import Config, load_config  # noqa: E402
 from migrate.nnx import decoder as nnx_decoder  # noqa: E402
 from migrate.nnx.pipeline import Pipeline  # noqa: E402
-from parity.data import synthetic_batch  # noqa: E402
+from parity.decoder.data import synthetic_batch  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "llama2-tiny.yml"
 MEDIUM = (
@@ -73,7 +73,7 @@ VARIANTS: dict[str, type[Pipeline]] = {"jax.vmap": Pipeline, "nnx.vmap": NnxVmap
 
 
 def make_step(cfg: Config, mesh: Mesh, pipeline_cls: type[Pipeline]) -> Callable:
-    """A fresh jitted `(params, batch) -> ((loss, logits), grads)`, as `parity.runs` builds."""
+    """A fresh jitted `(params, batch) -> ((loss, logits), grads)` (as `parity.decoder.twins`)."""
     with mock.patch.object(nnx_decoder, "Pipeline", pipeline_cls), nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: nnx_decoder.Decoder(cfg, mesh, rngs=nnx.Rngs(0)))
     graphdef, _ = nnx.split(abstract)

@@ -23,14 +23,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
+import json
+import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from absl import flags, logging
 
-from migrate import cli_support, destination, memory
+from migrate import cli_support, destination, errors, memory
 from migrate.config import Config, ConfigError, load_config, parse_overrides, with_changes
 from migrate.devices import ensure_simulated_devices
 from migrate.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_USAGE, BadInput
@@ -124,31 +128,51 @@ def _summary(outcome, src: str | None, dst: str) -> None:
         print(f"     checked before writing: {check}")
 
 
-def forward_problems(path: Path, spec) -> list[str]:
+def forward_problems(path: Path, spec, overrides: Sequence[str] = ()) -> list[str]:
     """The parity `forward` check (Linen and NNX logits and loss, both weight sources) on the
-    weights of the checkpoint at `path`; problems, or none when it passes."""
-    from migrate import checkpoint, convert
-    from parity import checks, runs
+    weights of the checkpoint at `path`; problems, or none when it passes.
 
-    cfg = spec.cfg if spec.use_pipeline else checkpoint.reference_config(spec.cfg)
-    session = checks.Session(cfg)
-    state = checkpoint.restore(
-        path, checkpoint.Spec(spec.framework, spec.layout, cfg), session.mesh
-    )
-    if spec.framework == "linen":
-        session.linen_variables = state.params
-        session.nnx_params = runs.linen_to_nnx_params(cfg, session.mesh, state.params)
-    else:
-        session.linen_variables = convert.nnx_to_linen(state.params)
-        session.nnx_params = state.params
-    result = checks.forward(session)
-    progress(f"forward check on the converted weights: {'PASS' if result.passed else 'FAIL'}")
-    if result.passed:
+    The check belongs to the harness (`parity`), which `migrate` never imports: it runs as
+    `parity CONFIG --checks=forward --checkpoint=PATH` in a subprocess (the same interpreter),
+    the config taking the checkpoint's recorded layout keys."""
+    del spec  # the checkpoint's own `meta` says what it holds
+    with tempfile.TemporaryDirectory(prefix="migrate-verify-") as scratch:
+        report = Path(scratch) / "forward.json"
+        command = [
+            sys.executable,
+            "-m",
+            "parity.cli",
+            str(FLAGS.config),
+            *overrides,
+            "--checks=forward",
+            f"--checkpoint={path}",
+            f"--json={report}",
+            *(["--verbose"] if FLAGS.verbose else []),
+        ]
+        finished = subprocess.run(command, capture_output=True, text=True)
+        status = finished.returncode
+        result = _forward_result(report) if report.exists() else None
+    verdicts = {errors.EXIT_PASS: "PASS", errors.EXIT_FAIL: "FAIL"}
+    progress(f"forward check on the converted weights: {verdicts.get(status, f'exit {status}')}")
+    if status == errors.EXIT_PASS:
         return []
-    return [
-        f"forward check: {result.where}: {result.metric} {result.value:.3g} > tolerance "
-        f"{result.tolerance:.3g} {result.message}".strip()
-    ]
+    if status == errors.EXIT_FAIL and result is not None:
+        return [
+            f"forward check: {result['where']}: {result['metric']} {result['value']:.3g} > "
+            f"tolerance {result['tolerance']:.3g} {result['message']}".strip()
+        ]
+    last = (finished.stderr.strip().splitlines() or ["no output"])[-1]
+    why = f"--verify_forward: the parity forward check could not run (exit {status}): {last}"
+    if status == errors.EXIT_USAGE:
+        raise errors.BadInput(why)
+    # A crash or a lost worker of the child is not a verdict on the weights, nor bad input.
+    raise RuntimeError(why)
+
+
+def _forward_result(report: Path) -> dict[str, Any] | None:
+    checks = json.loads(report.read_text())["checks"]
+    forward = next((c for c in checks if c["name"] == "forward"), None)
+    return None if forward is None else {**forward["worst"], "message": forward["message"]}
 
 
 def run(argv: Sequence[str]) -> int:
@@ -195,7 +219,7 @@ def _run(argv: Sequence[str]) -> int:
         memory.check_fits(needed, what=f"{command} {paths[-1]}")
     ensure_simulated_devices(target_cfg.num_devices)
 
-    from migrate import checkpoint
+    from migrate import checkpoint, train_state
     from migrate.convert import ConversionError
     from migrate.layout import LayoutError
 
@@ -203,10 +227,11 @@ def _run(argv: Sequence[str]) -> int:
         if command == "init":
             spec_cfg = with_changes(cfg, changes)
             layout = FLAGS.layout or ("pipeline" if spec_cfg.using_pipeline else "reference")
-            spec = checkpoint.Spec(FLAGS.framework, layout, spec_cfg)
+            spec = train_state.Spec(FLAGS.framework, layout, spec_cfg)
             outcome = checkpoint.init_checkpoint(paths[0], spec, FLAGS.force)
         else:
-            checks = {"forward": forward_problems} if FLAGS.verify_forward else {}
+            forward = functools.partial(forward_problems, overrides=overrides)
+            checks = {"forward": forward} if FLAGS.verify_forward else {}
             outcome = checkpoint.convert_checkpoint(
                 paths[0],
                 paths[1],

@@ -6,6 +6,10 @@ with a `ConfigError` naming the keys, their values and the rule they break. Ever
 to a sane bound (`migrate.bounds`) and every float must be finite *before* anything is derived
 from them, so that no hostile value reaches JAX, a loop or an allocation. YAML is read through
 `migrate.safe_load` (bounded: no alias bombs, no deep nesting).
+
+Longer than 400 lines: the fields, their derived values and the cross-key rules that refuse an
+invalid combination are one contract, read together; split, a rule would sit apart from the
+fields and derivations it constrains.
 """
 
 from __future__ import annotations

@@ -238,6 +238,16 @@ def nnx_to_linen(
     return {"params": restore_boxes(arrays, names)}
 
 
+def check_linen(
+    variables: Mapping[str, Any], target: Mapping[str, Any], direction: str = "NNX -> Linen"
+) -> dict[str, Any]:
+    """`variables` (a Linen `{'params': ...}` tree, boxed) when every parameter matches
+    `target`'s (possibly abstract, from `jax.eval_shape(model.init, ...)`) in path, shape,
+    dtype and logical names; otherwise one ConversionError listing every mismatch."""
+    _match(direction, _linen_flat(target["params"], {}), _linen_flat(variables["params"], {}))
+    return dict(variables)
+
+
 # ------------------------------------------------------------------ layouts
 
 

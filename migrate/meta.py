@@ -198,3 +198,28 @@ def is_checkpoint(path: str | Path) -> bool:
     except CheckpointError:
         return False
     return True
+
+
+# The keys that put the decoder's layers back on one axis (the reference layout, S = 1).
+REFERENCE_KEYS = {
+    "ici_pipeline_parallelism": 1,
+    "dcn_pipeline_parallelism": 1,
+    "num_layers_per_pipeline_stage": 1,
+    "num_pipeline_repeats": -1,
+    "scan_layers_per_stage": False,
+}
+
+
+def stored_config(meta: dict[str, Any], cfg: Any, changes: dict[str, Any] | None = None) -> Any:
+    """`cfg` with `changes` as the checkpoint described by a validated `meta` was written: its
+    recorded layout keys and weight dtype win; for a reference-layout checkpoint, without a
+    pipeline (the decoder then runs its layers as the reference does). Schedule keys that no
+    longer fit reset to their defaults (`migrate.config.with_changes`), as `migrate` does."""
+    from migrate.config import ConfigError, with_changes
+
+    recorded = {**meta["layout_keys"], "weight_dtype": meta["weight_dtype"]}
+    try:
+        cfg = with_changes(cfg, {**(changes or {}), **recorded})
+        return with_changes(cfg, REFERENCE_KEYS) if meta["layout"] == "reference" else cfg
+    except ConfigError as e:
+        raise BadInput(f"the checkpoint's layout does not fit the config: {e}") from None

@@ -28,9 +28,9 @@ from typing import Any
 
 from absl import app, flags, logging
 
-from migrate import cli_support, errors, memory
+from migrate import cli_support, errors, memory, meta
 from migrate.bounds import MAX_UNROLLED_LAYERS
-from migrate.config import Config, load_config
+from migrate.config import Config, load_config, parse_overrides
 from migrate.devices import ensure_simulated_devices
 from migrate.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_USAGE, BadInput
 from parity.outputs import Outputs  # no JAX
@@ -116,6 +116,13 @@ flags.DEFINE_boolean(
     "memory_check",
     True,
     "Refuse (exit 2) a config whose lower-bound memory estimate exceeds the available memory.",
+)
+flags.DEFINE_string(
+    "checkpoint",
+    None,
+    "Run the checks on the weights of this checkpoint (written by `migrate`; either twin, "
+    "either layout) instead of the twins' own initialisations: the config takes the "
+    "checkpoint's recorded layout keys and weight dtype.",
 )
 flags.DEFINE_boolean("verbose", False, "Print the traceback of an internal error.")
 flags.DEFINE_boolean(
@@ -253,7 +260,15 @@ def _run(argv: Sequence[str]) -> int:
     positional = list(argv[1:])
     if not positional:
         return usage_error("missing CONFIG (for example configs/llama2-tiny.yml)")
-    cfg = load_config(positional[0], positional[1:])
+    stored = None
+    if FLAGS.checkpoint is None:
+        cfg = load_config(positional[0], positional[1:])
+    else:  # overrides and the checkpoint's layout applied as `migrate` applies them
+        if FLAGS.num_processes > 1:
+            return usage_error("--checkpoint runs in one process (--num_processes=1)")
+        stored = meta.read_meta(FLAGS.checkpoint)  # validated before its keys are used
+        changes = parse_overrides(positional[1:])
+        cfg = meta.stored_config(stored, load_config(positional[0]), changes)
     selected = _select_checks()
     if isinstance(selected, str):
         return usage_error(selected)
@@ -284,9 +299,19 @@ def _run(argv: Sequence[str]) -> int:
         jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
-    from parity import checks, report
+    from parity import report
+    from parity.decoder.checks import CHECKS
+    from parity.decoder.session import DecoderPair
+    from parity.engine.result import EXIT_STATUS, errored
 
-    session = checks.Session(cfg)
+    pair = DecoderPair(cfg)
+    if stored is not None:
+        from migrate import checkpoint_io, train_state
+
+        spec = train_state.Spec(stored["framework"], stored["layout"], cfg)
+        state = checkpoint_io.restore(FLAGS.checkpoint, spec, pair.mesh, stored)
+        pair.use_weights(spec.framework, state.params)
+        progress(f"weights from {FLAGS.checkpoint}: {spec.describe()}, step {state.step}")
     progress(_plan(cfg, selected))
     results, durations = [], []
 
@@ -296,8 +321,8 @@ def _run(argv: Sequence[str]) -> int:
         progress(f"{name} ...")
         try:
             result = check()
-        except Exception as e:  # failed (parity), bad_input or errored: `checks.errored`
-            result = checks.errored(name, e)
+        except Exception as e:  # failed (parity), bad_input or errored: `errored`
+            result = errored(name, e)
         durations.append(time.perf_counter() - start)
         progress(f"{name}: {result.status.upper()} ({durations[-1]:.1f}s)")
         if result.status in ("bad_input", "errored"):
@@ -307,22 +332,22 @@ def _run(argv: Sequence[str]) -> int:
     for name in selected:
         if name == "train":
             on_step = StepProgress(FLAGS.steps)
-            run_check(name, lambda on_step=on_step: checks.train(session, FLAGS.steps, on_step))
+            run_check(name, lambda on_step=on_step: CHECKS["train"](pair, FLAGS.steps, on_step))
         else:
-            run_check(name, lambda name=name: checks.CHECKS[name](session))
+            run_check(name, lambda name=name: CHECKS[name](pair))
     drill_down = any(r.name in ("forward", "grads") and r.status == "failed" for r in results)
     if drill_down and "layers" not in selected:
         progress("forward or grads failed: drilling down per layer")
-        run_check("layers", lambda: checks.layers(session))
+        run_check("layers", lambda: CHECKS["layers"](pair))
 
     main = distributed.is_main()  # only process 0 prints the table and writes reports
     if outputs is not None and outputs.golden is not None:
-        run_check("golden", lambda: outputs.golden_result(session, write=main))
-    status = max(checks.EXIT_STATUS[r.status] for r in results)
+        run_check("golden", lambda: outputs.golden_result(pair, write=main))
+    status = max(EXIT_STATUS[r.status] for r in results)
     if main:
-        report.render_table(results, cfg)
+        report.render_table(results, cfg.model_name)
         if outputs is not None:
-            status = max(status, outputs.write(results, cfg, durations))
+            status = max(status, outputs.write(results, cfg.model_name, durations))
     return distributed.worst_status(status)
 
 

@@ -26,10 +26,10 @@ def _flat_leaves(boxed_params: Any) -> tuple[dict, dict]:
 def init_records(linen_params: Any, nnx_params: Any) -> list[dict]:
     """Per parameter: names, shape, dtype, then each distribution statistic; NNX against Linen.
 
-    `linen_params` is Linen's boxed `params` tree, `nnx_params` the NNX Param state (or any
-    tree `convert.nnx_to_linen` accepts)."""
+    Both are the common form's `params` trees (Linen boxes; NNX weights moved there by
+    `migrate.convert.nnx_to_linen`)."""
     linen_arrays, linen_names = _flat_leaves(linen_params)
-    nnx_arrays, nnx_names = _flat_leaves(convert.nnx_to_linen(nnx_params)["params"])
+    nnx_arrays, nnx_names = _flat_leaves(nnx_params)
     records: list[dict] = []
     for path in sorted(set(linen_arrays) | set(nnx_arrays)):
         where = "/".join(path)

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from migrate import cli_support, errors, safe_load
-from migrate.config import Config
 from migrate.errors import EXIT_PASS, BadInput
 from parity import report
 
@@ -68,14 +67,14 @@ class Outputs:
             elif self.golden.is_dir():
                 raise BadInput(f"--golden: {self.golden} is a directory")
 
-    def write(self, results: Sequence[Any], cfg: Config, durations: Sequence[float]) -> int:
+    def write(self, results: Sequence[Any], name: str, durations: Sequence[float]) -> int:
         """Each requested report; the exit status of those that could not be written (named
         on stderr), EXIT_PASS when all were."""
         status = EXIT_PASS
         writers = (
-            ("--json", self.json, lambda p: report.write_json(results, cfg, p)),
-            ("--junit", self.junit, lambda p: report.write_junit(results, cfg, p, durations)),
-            ("--plot", self.plot, lambda p: report.write_plot(results, cfg, p)),
+            ("--json", self.json, lambda p: report.write_json(results, name, p)),
+            ("--junit", self.junit, lambda p: report.write_junit(results, name, p, durations)),
+            ("--plot", self.plot, lambda p: report.write_plot(results, name, p)),
         )
         for flag, path, write in writers:
             if path is None:
@@ -91,23 +90,24 @@ class Outputs:
                 )
         return status
 
-    def golden_result(self, session: Any, write: bool) -> Any:
+    def golden_result(self, pair: Any, write: bool) -> Any:
         """The `golden` check: the current sharding report against the golden file (written
         when there is none, or with --update_golden). `write`: this process writes and prints."""
-        from parity import checks  # JAX
+        from parity.decoder import golden  # JAX
+        from parity.engine.result import CheckResult
 
-        path, current = self.golden, report.golden_sharding(session)
+        path, current = self.golden, golden.golden_sharding(pair.cfg, pair.mesh)
         if self.golden_data is None:
             if write:
                 path.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
                 _progress(f"golden sharding report written: {path}")
-            return checks.CheckResult(
+            return CheckResult(
                 "golden", True, "differences", 0.0, 0.0, str(path), message="written"
             )
         differences = report.golden_differences(self.golden_data, current)
         for line in differences if write else ():
             print(report.printable(f"  golden {line}"))
-        return checks.CheckResult(
+        return CheckResult(
             "golden",
             not differences,
             "differences",

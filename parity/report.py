@@ -19,8 +19,6 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from migrate.config import Config
-
 JSON_SCHEMA_VERSION = 1
 VERDICTS = {
     "passed": "[green]PASS[/green]",
@@ -58,11 +56,11 @@ def _fmt(value: float) -> str:
     return f"{value:.3g}"
 
 
-def render_table(results: Sequence[Any], cfg: Config, console: Console | None = None) -> None:
+def render_table(results: Sequence[Any], name: str, console: Console | None = None) -> None:
     """check | verdict | worst error | tolerance | where; then each check's note."""
     # CI logs are not terminals: give the table room instead of rich's 80-column default.
     console = console or Console(width=None if sys.stdout.isatty() else 160)
-    table = Table(title=printable(f"parity: {cfg.model_name}"))
+    table = Table(title=printable(f"parity: {name}"))
     table.add_column("check")
     table.add_column("verdict")
     table.add_column("worst error")
@@ -82,11 +80,11 @@ def render_table(results: Sequence[Any], cfg: Config, console: Console | None = 
             console.print(printable(f"  {r.name}: {r.message}"), soft_wrap=True, markup=False)
 
 
-def to_json(results: Sequence[Any], cfg: Config) -> dict[str, Any]:
+def to_json(results: Sequence[Any], name: str) -> dict[str, Any]:
     """The versioned machine-readable report."""
     return {
         "version": JSON_SCHEMA_VERSION,
-        "config": cfg.model_name,
+        "config": name,
         "passed": all(r.passed for r in results),
         "checks": [
             {
@@ -108,14 +106,14 @@ def to_json(results: Sequence[Any], cfg: Config) -> dict[str, Any]:
     }
 
 
-def write_json(results: Sequence[Any], cfg: Config, path: str | Path) -> None:
+def write_json(results: Sequence[Any], name: str, path: str | Path) -> None:
     Path(path).write_text(
-        json.dumps(to_json(results, cfg), indent=2, sort_keys=True, default=str) + "\n"
+        json.dumps(to_json(results, name), indent=2, sort_keys=True, default=str) + "\n"
     )
 
 
 def write_junit(
-    results: Sequence[Any], cfg: Config, path: str | Path, durations: Sequence[float] | None = None
+    results: Sequence[Any], name: str, path: str | Path, durations: Sequence[float] | None = None
 ) -> None:
     """One testsuite per config, one testcase per check; failures carry the worst error."""
     durations = list(durations or [0.0] * len(results))
@@ -123,7 +121,7 @@ def write_junit(
     suite = ET.SubElement(
         root,
         "testsuite",
-        name=f"parity.{cfg.model_name}",
+        name=f"parity.{name}",
         tests=str(len(results)),
         failures=str(sum(r.status == "failed" for r in results)),
         errors=str(sum(r.status in ("bad_input", "errored") for r in results)),
@@ -133,7 +131,7 @@ def write_junit(
         case = ET.SubElement(
             suite,
             "testcase",
-            classname=f"parity.{cfg.model_name}",
+            classname=f"parity.{name}",
             name=r.name,
             time=f"{seconds:.3f}",
         )
@@ -156,7 +154,7 @@ def write_junit(
     tree.write(path, encoding="unicode", xml_declaration=True)
 
 
-def write_plot(results: Sequence[Any], cfg: Config, path: str | Path) -> bool:
+def write_plot(results: Sequence[Any], name: str, path: str | Path) -> bool:
     """PNG of the train check's per-step losses and errors; False when there is no train run."""
     train = next((r for r in results if r.name == "train" and r.steps), None)
     if train is None:
@@ -181,39 +179,11 @@ def write_plot(results: Sequence[Any], cfg: Config, path: str | Path) -> bool:
     err_ax.legend()
     for ax in (loss_ax, err_ax):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.suptitle(printable(f"parity train: {cfg.model_name}"))
+    fig.suptitle(printable(f"parity train: {name}"))
     fig.tight_layout()
     fig.savefig(path, dpi=100, format="png")  # exactly `path`, whatever its suffix
     plt.close(fig)
     return True
-
-
-def golden_sharding(session: Any) -> dict[str, dict[str, Any]]:
-    """Per parameter and framework: logical names, PartitionSpec, shape (sorted JSON-ready)."""
-    from migrate import convert, sharding
-    from parity import runs
-
-    cfg, mesh = session.cfg, session.mesh
-    rules = cfg.logical_axis_rules
-    out: dict[str, dict[str, Any]] = {}
-    linen = runs.linen_abstract_variables(cfg, mesh)["params"]
-    arrays, names = convert.strip_boxes(linen)
-    flat_arrays, flat_names = convert.flatten_dict(arrays), convert.flatten_dict(names)
-    for path, leaf_names in flat_names.items():
-        out["linen/" + "/".join(path)] = {
-            "names": list(leaf_names),
-            "shape": list(flat_arrays[path].shape),
-            "spec": str(sharding.logical_to_spec(leaf_names, rules)),
-        }
-    _, abstract = runs.nnx_abstract(cfg, mesh)
-    for path, variable in convert.nnx_flat_params(abstract).items():
-        leaf_names = convert.nnx_names(variable)
-        out["nnx/" + "/".join(path)] = {
-            "names": list(leaf_names or ()),
-            "shape": list(variable.get_value().shape),
-            "spec": str(sharding.logical_to_spec(leaf_names or (), rules)),
-        }
-    return dict(sorted(out.items()))
 
 
 def golden_differences(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
@@ -232,3 +202,52 @@ def golden_differences(expected: dict[str, Any], actual: dict[str, Any]) -> list
                         f"current {actual[key].get(field)}"
                     )
     return lines
+
+
+# ------------------------------------------------------------------ plain text
+
+MAX_LISTED = 10  # failing records listed per check by `text_report`
+
+
+def _describe(record: dict) -> str:
+    if "linen" in record:
+        return f"Linen {record['linen']} vs NNX {record['nnx']}"
+    text = (
+        f"max_rel={_fmt(record['max_rel'])} max_abs={_fmt(record['max_abs'])} "
+        f"mismatches={record['mismatches']}"
+    )
+    if record.get("nonfinite"):
+        text += f" nonfinite={record['nonfinite']}"
+    return text + (f" dtype {record['dtype']}" if "dtype" in record else "")
+
+
+def text_report(results: Sequence[Any], title: str = "parity") -> str:
+    """Plain-text report: one line per check, each note, then the failing records."""
+    failed = [r for r in results if not r.passed]
+    verdict = f"FAIL ({len(failed)} of {len(results)} checks)" if failed else "PASS"
+    rows = [("check", "verdict", "worst", "tolerance", "where")] + [
+        (
+            r.name,
+            "PASS" if r.passed else "FAIL",
+            f"{r.metric}={_fmt(r.value)}",
+            _fmt(r.tolerance),
+            r.where,
+        )
+        for r in results
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = [f"{title}: {verdict}"]
+    for row in rows:
+        lines.append(
+            "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[4]
+        )
+    for r in results:
+        if r.message:
+            lines.append(f"  {r.name}: {r.message}")
+    for r in failed:
+        failing = [d for d in r.details if not d.get("passed", True)]
+        for record in failing[:MAX_LISTED]:
+            lines.append(f"  {r.name} FAIL {record['tensor']}: {_describe(record)}")
+        if len(failing) > MAX_LISTED:
+            lines.append(f"  {r.name}: ... and {len(failing) - MAX_LISTED} more failing")
+    return "\n".join(lines)

@@ -17,7 +17,7 @@ from typing import Any
 import flax.linen as nn
 from flax import nnx
 
-from parity.checks import CheckResult
+from parity.engine.result import CheckResult
 from parity.pairs import compare_modules, format_report
 
 

@@ -22,7 +22,9 @@ from test_cli import run_in_process
 from migrate import errors
 from migrate.cli_support import guarded
 from migrate.convert import ConversionError
-from parity import checks, cli, launch, report
+from parity import cli, launch, report
+from parity.decoder import checks as decoder_checks
+from parity.engine.result import CheckResult
 
 # ------------------------------------------------------------------ config values
 
@@ -225,7 +227,7 @@ def fake_check(monkeypatch, outcome) -> None:
             raise outcome
         return outcome
 
-    monkeypatch.setitem(checks.CHECKS, "roundtrip", check)
+    monkeypatch.setitem(decoder_checks.CHECKS, "roundtrip", check)
 
 
 class ResourceExhausted(RuntimeError):
@@ -235,7 +237,7 @@ class ResourceExhausted(RuntimeError):
 ResourceExhausted.__name__ = "JaxRuntimeError"
 OOM = "RESOURCE_EXHAUSTED: Out of memory allocating"
 OS_27 = "[os_error_code='27']"
-PASSED = checks.CheckResult("roundtrip", True, "max_rel", 0.0, 0.0, "-")
+PASSED = CheckResult("roundtrip", True, "max_rel", 0.0, 0.0, "-")
 
 
 @pytest.mark.parametrize(
@@ -319,11 +321,11 @@ def test_file_stem_is_one_safe_name(name, stem, tmp_path):
 
 def test_the_table_prints_text_that_is_not_valid_unicode():
     cfg = cli.load_config(TINY)
-    result = checks.CheckResult(
+    result = CheckResult(
         "forward", False, "max_rel", 1.0, 0.0, "bad\udcffplace", message="why \udcfe [red]x"
     )
     with open(os.devnull, "w", encoding="utf-8") as sink:
-        report.render_table([result], cfg, Console(file=sink, width=120))
+        report.render_table([result], cfg.model_name, Console(file=sink, width=120))
     assert report.printable("a\udcffb") == "a\\udcffb"
 
 
@@ -334,9 +336,9 @@ def test_plot_path_is_written_as_given(tmp_path):
         {"step": i, "loss_linen": 1.0, "loss_nnx": 1.0, "max_rel": 0.0, "passed": True}
         for i in range(2)
     )
-    train = checks.CheckResult("train", True, "max_rel", 0.0, 0.0, "-", steps=steps)
+    train = CheckResult("train", True, "max_rel", 0.0, 0.0, "-", steps=steps)
     path = tmp_path / "plot"  # no suffix: matplotlib would have written plot.png
-    assert report.write_plot([train], cfg, path)
+    assert report.write_plot([train], cfg.model_name, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "plot.png").exists()
 
 

@@ -21,10 +21,11 @@ import pytest
 from conftest import tiny
 from flax import nnx
 
-from migrate import checkpoint, convert, optim, sharding
-from migrate.checkpoint import CheckpointError, Spec, TrainState
-from parity import runs
-from parity.data import synthetic_batch
+from migrate import checkpoint, checkpoint_io, convert, meta, optim, sharding, train_state
+from migrate.meta import CheckpointError
+from migrate.train_state import Spec, TrainState
+from parity.decoder import twins
+from parity.decoder.data import synthetic_batch
 
 # A damaged checkpoint fails an Orbax read while others are in flight; those end in Orbax's
 # closed event loop and Python reports them as unraisable. The CLI silences them (its
@@ -45,16 +46,16 @@ def trained_linen() -> TrainState:
     """Linen weights, optimizer state and step after one AdamW step."""
     cfg, mesh = setup()
     # A copy: the step donates its state, and the initial weights are cached for everyone.
-    params = runs.fresh_copy(runs.linen_initial_variables(cfg, mesh)["params"])
+    params = twins.fresh_copy(twins.linen_initial_variables(cfg, mesh)["params"])
     opt_state = optim.make_optimizer(cfg).init(params)
-    step, _ = runs.linen_train_fns(cfg, mesh)
+    step, _ = twins.linen_train_fns(cfg, mesh)
     params, opt_state, _ = step(params, opt_state, synthetic_batch(cfg, mesh))
     return TrainState({"params": params}, opt_state, 1)
 
 
 def random_state(spec: Spec, mesh, seed: int = 0) -> TrainState:
     """A state of `spec`'s shapes, names and shardings with random, distinct values."""
-    template = checkpoint.abstract_state(spec, mesh)
+    template = train_state.abstract_state(spec, mesh)
     rng = np.random.default_rng(seed)
 
     def fill(x):
@@ -63,8 +64,8 @@ def random_state(spec: Spec, mesh, seed: int = 0) -> TrainState:
             return jax.device_put(np.asarray(value, x.dtype), x.sharding)
         return x
 
-    values = jax.tree.map(fill, checkpoint.to_pure((template.params, template.opt_state)))
-    params, opt_state = checkpoint.from_pure((template.params, template.opt_state), values)
+    values = jax.tree.map(fill, train_state.to_pure((template.params, template.opt_state)))
+    params, opt_state = train_state.from_pure((template.params, template.opt_state), values)
     return TrainState(params, opt_state, 42)
 
 
@@ -72,7 +73,7 @@ def random_state(spec: Spec, mesh, seed: int = 0) -> TrainState:
 def linen_ckpt(tmp_path_factory) -> Path:
     cfg, _ = setup()
     path = tmp_path_factory.mktemp("ckpt") / "linen"
-    checkpoint.save(path, Spec("linen", "pipeline", cfg), trained_linen())
+    checkpoint_io.save(path, Spec("linen", "pipeline", cfg), trained_linen())
     return path
 
 
@@ -129,13 +130,13 @@ def test_linen_to_nnx_to_linen_is_bit_exact(linen_ckpt, nnx_ckpt, tmp_path):
     before = tree_hash(linen_ckpt)
     checkpoint.convert_checkpoint(nnx_ckpt, tmp_path / "back", cfg, "nnx", "linen")
     original = trained_linen()
-    back = checkpoint.restore(tmp_path / "back", Spec("linen", "pipeline", cfg), mesh)
+    back = checkpoint_io.restore(tmp_path / "back", Spec("linen", "pipeline", cfg), mesh)
     assert back.step == 1
     assert_bit_exact(linen_form(back, "linen"), linen_form(original, "linen"))
 
     # The NNX checkpoint holds the converter's NNX state, moments as States of Params.
-    nnx_state = checkpoint.restore(nnx_ckpt, Spec("nnx", "pipeline", cfg), mesh)
-    expected = runs.linen_to_nnx_params(cfg, mesh, original.params)
+    nnx_state = checkpoint_io.restore(nnx_ckpt, Spec("nnx", "pipeline", cfg), mesh)
+    expected = twins.linen_to_nnx_params(cfg, mesh, original.params)
     assert_bit_exact(nnx.to_pure_dict(nnx_state.params), nnx.to_pure_dict(expected))
     assert isinstance(nnx_state.opt_state[1][0].mu, nnx.State)
     assert_bit_exact(linen_form(nnx_state, "nnx"), linen_form(original, "linen"))
@@ -144,7 +145,7 @@ def test_linen_to_nnx_to_linen_is_bit_exact(linen_ckpt, nnx_ckpt, tmp_path):
 
 def test_restored_arrays_land_with_the_target_sharding(linen_ckpt):
     cfg, mesh = setup()
-    state = checkpoint.restore(linen_ckpt, Spec("linen", "pipeline", cfg), mesh)
+    state = checkpoint_io.restore(linen_ckpt, Spec("linen", "pipeline", cfg), mesh)
     boxes = jax.tree.leaves(state.params, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
     for box in boxes:
         expected = sharding.named_sharding(box.names, mesh, cfg.logical_axis_rules)
@@ -170,8 +171,8 @@ def test_restaging_then_reference_equals_direct_reference(linen_ckpt, tmp_path):
     checkpoint.convert_checkpoint(linen_ckpt, tmp_path / "one", cfg, "linen", "linen", "reference")
 
     ref_spec = Spec("linen", "reference", cfg)
-    two = checkpoint.restore(tmp_path / "two", ref_spec, mesh)
-    one = checkpoint.restore(tmp_path / "one", ref_spec, mesh)
+    two = checkpoint_io.restore(tmp_path / "two", ref_spec, mesh)
+    one = checkpoint_io.restore(tmp_path / "one", ref_spec, mesh)
     assert one.step == two.step == 1
     assert_bit_exact(linen_form(two, "linen"), linen_form(one, "linen"))
     # Both equal the converter's whole-tree placement formula, applied on the host.
@@ -187,7 +188,7 @@ def test_restaging_then_reference_equals_direct_reference(linen_ckpt, tmp_path):
     hop_cfg = hop.target.cfg
     hop_mesh = sharding.make_mesh(hop_cfg)
     assert hop_mesh.devices.size == 4
-    mid = checkpoint.restore(tmp_path / "hop", hop.target, hop_mesh)
+    mid = checkpoint_io.restore(tmp_path / "hop", hop.target, hop_mesh)
     for _, variable in nnx.to_flat_state(mid.params):
         names, value = convert.nnx_names(variable), variable.get_value()
         expected = sharding.named_sharding(names, hop_mesh, hop_cfg.logical_axis_rules)
@@ -202,7 +203,7 @@ def test_restaging_scanned_stages_into_separate_slots(tmp_path):
     cfg, mesh = setup("llama2-tiny-scan")
     spec = Spec("nnx", "pipeline", cfg)
     state = random_state(spec, mesh)
-    checkpoint.save(tmp_path / "src", spec, state)
+    checkpoint_io.save(tmp_path / "src", spec, state)
     changes = {
         "ici_pipeline_parallelism": 2,
         "num_layers_per_pipeline_stage": 4,
@@ -215,7 +216,7 @@ def test_restaging_scanned_stages_into_separate_slots(tmp_path):
     checkpoint.convert_checkpoint(
         tmp_path / "hop", tmp_path / "ref", cfg, "linen", "linen", "reference"
     )
-    ref = checkpoint.restore(tmp_path / "ref", Spec("linen", "reference", cfg), mesh)
+    ref = checkpoint_io.restore(tmp_path / "ref", Spec("linen", "reference", cfg), mesh)
     host_params, host_opt = linen_form(state, "nnx")
     expected = convert.linen_pipeline_to_reference(host_params, cfg)
     assert_bit_exact(jax.device_get(ref.params), expected)
@@ -231,11 +232,11 @@ def test_restaging_scanned_stages_into_separate_slots(tmp_path):
         "linen",
         "nnx",
         "pipeline",
-        changes=checkpoint.layout_keys(cfg),
+        changes=train_state.layout_keys(cfg),
         verify=True,
     )
     assert back.target.describe() == "nnx, pipeline S=4 R=2 L=2 scanned" and not back.differences
-    restored = checkpoint.restore(tmp_path / "back", spec, mesh)
+    restored = checkpoint_io.restore(tmp_path / "back", spec, mesh)
     assert_bit_exact(linen_form(restored, "nnx"), linen_form(state, "nnx"))
 
 
@@ -260,19 +261,19 @@ def test_training_resumed_from_a_converted_checkpoint_takes_the_same_step(linen_
     cfg, mesh = setup()
     batch = synthetic_batch(cfg, mesh, step=1)
 
-    linen = checkpoint.restore(linen_ckpt, Spec("linen", "pipeline", cfg), mesh)
-    linen_step, _ = runs.linen_train_fns(cfg, mesh)
+    linen = checkpoint_io.restore(linen_ckpt, Spec("linen", "pipeline", cfg), mesh)
+    linen_step, _ = twins.linen_train_fns(cfg, mesh)
     linen_params, linen_opt, linen_metrics = linen_step(
         linen.params["params"], linen.opt_state, batch
     )
-    resumed = checkpoint.restore(nnx_ckpt, Spec("nnx", "pipeline", cfg), mesh)
+    resumed = checkpoint_io.restore(nnx_ckpt, Spec("nnx", "pipeline", cfg), mesh)
     assert resumed.step == 1 and int(resumed.opt_state[1][0].count) == 1
-    nnx_step, _ = runs.nnx_train_fns(cfg, mesh)
+    nnx_step, _ = twins.nnx_train_fns(cfg, mesh)
     nnx_params, nnx_opt, nnx_metrics = nnx_step(resumed.params, resumed.opt_state, batch)
 
     # The same next step as an uninterrupted run, bit for bit.
     original = trained_linen()  # copied: the step donates what it is given
-    params, opt_state = runs.fresh_copy((original.params["params"], original.opt_state))
+    params, opt_state = twins.fresh_copy((original.params["params"], original.opt_state))
     _, _, direct = linen_step(params, opt_state, batch)
     for key in ("loss", "grad_norm"):
         assert np.asarray(nnx_metrics[key]).tobytes() == np.asarray(direct[key]).tobytes()
@@ -378,7 +379,7 @@ def test_dtype_change_needs_dtype(linen_ckpt, tmp_path):
         linen_ckpt, tmp_path / "bf16", cfg, "linen", "nnx", dtype="bfloat16"
     )
     assert out.target.cfg.weight_dtype == "bfloat16"
-    state = checkpoint.restore(tmp_path / "bf16", out.target, mesh)
+    state = checkpoint_io.restore(tmp_path / "bf16", out.target, mesh)
     params, opt_state = linen_form(state, "nnx")
     cast = lambda t: jax.tree.map(lambda x: np.asarray(x).astype("bfloat16"), t)
     original = jax.device_get(trained_linen())
@@ -406,7 +407,7 @@ def test_destination_safety(linen_ckpt, tmp_path):
     ours = tmp_path / "ours"
     checkpoint.convert_checkpoint(linen_ckpt, ours, cfg, "linen", "nnx")
     checkpoint.convert_checkpoint(linen_ckpt, ours, cfg, "linen", "nnx", force=True)
-    assert checkpoint.read_meta(ours)["framework"] == "nnx"
+    assert meta.read_meta(ours)["framework"] == "nnx"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "ours"]  # no staging left
 
     for bad in (linen_ckpt, linen_ckpt / "inner", linen_ckpt.parent):
@@ -421,8 +422,8 @@ def test_a_checkpoint_manager_step_is_a_checkpoint(tmp_path):
     spec = Spec("nnx", "pipeline", cfg)
     state = random_state(spec, mesh, seed=1)
     with ocp.CheckpointManager(tmp_path, item_names=("params", "opt_state", "meta")) as manager:
-        manager.save(42, args=checkpoint.save_args(spec, state))
+        manager.save(42, args=checkpoint_io.save_args(spec, state))
         manager.wait_until_finished()
-    restored = checkpoint.restore(tmp_path / "42", spec, mesh)
+    restored = checkpoint_io.restore(tmp_path / "42", spec, mesh)
     assert restored.step == 42
     assert_bit_exact(linen_form(restored, "nnx"), linen_form(state, "nnx"))

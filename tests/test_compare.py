@@ -10,8 +10,11 @@ import pytest
 from conftest import tiny
 
 from migrate import config
-from parity import checks, compare
-from parity.runs import Run
+from parity import compare
+from parity.decoder.session import vacuity_problems
+from parity.engine.checks import run_records
+from parity.engine.result import verdict
+from parity.engine.side import Run
 
 
 def test_identical_leaves_have_zero_error():
@@ -72,15 +75,15 @@ def test_dead_models_are_refused_even_when_they_agree():
     vocab = 256
     dead = Run(
         loss=np.float32(math.log(vocab)),
-        logits=np.zeros((2, 3, vocab), np.float32),
+        outputs=np.zeros((2, 3, vocab), np.float32),
         grads={"w": np.zeros((4,), np.float32)},
     )
-    problems = checks.vacuity_problems(dead, vocab)
+    problems = vacuity_problems(dead, vocab)
     assert len(problems) == 3
     assert "gradient norm is 0.0" in problems[0]
     assert "logits are all zero" in problems[1]
     assert "sits at ln(vocab)" in problems[2]
-    records = checks.compare_runs("", dead, dead, compare.EXACT)
+    records = run_records("", dead, dead, compare.EXACT)
     assert all(r["passed"] for r in records)  # they agree perfectly...
-    result = checks._result("forward", records, compare.EXACT, problems)
+    result = verdict("forward", records, compare.EXACT, problems)
     assert not result.passed  # ...and still fail

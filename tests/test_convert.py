@@ -14,12 +14,14 @@ from conftest import TINY_CONFIGS, tiny
 from flax import nnx
 
 from migrate import convert
-from parity import checks, runs
+from parity.decoder import twins
+from parity.decoder.session import DecoderPair
+from parity.engine import checks
 
 
 @functools.cache
-def session(name: str) -> checks.Session:
-    return checks.Session(tiny(name))
+def session(name: str) -> DecoderPair:
+    return DecoderPair(tiny(name))
 
 
 def host_snapshot(tree):
@@ -57,8 +59,8 @@ def test_roundtrip_check_is_bit_exact_for_every_config(name):
 
 def test_framework_conversion_moves_arrays_without_copies():
     s = session("llama2-tiny")
-    linen_vars, _ = s.weights("linen")
-    state = runs.linen_to_nnx_params(s.cfg, s.mesh, linen_vars)
+    linen_vars = s.weights("linen", "linen")
+    state = twins.linen_to_nnx_params(s.cfg, s.mesh, linen_vars)
     back = convert.nnx_to_linen(state)
     same = jax.tree.map(lambda a, b: a is b, nn.meta.unbox(back), nn.meta.unbox(linen_vars))
     assert all(jax.tree.leaves(same))
@@ -86,7 +88,7 @@ def test_inputs_are_unchanged_by_every_conversion():
     s = session("llama2-tiny")
     linen_vars = s.linen_variables
     nnx_params = s.nnx_params
-    _, abstract = runs.nnx_abstract(s.cfg, s.mesh)
+    _, abstract = twins.nnx_abstract(s.cfg, s.mesh)
     before_linen = host_snapshot(linen_vars)
     before_nnx = host_snapshot(nnx.to_pure_dict(nnx_params))
     before_names = jax.tree.map(
@@ -149,7 +151,7 @@ def _params(linen_vars):
 
 def _abstract():
     s = session("llama2-tiny")
-    return s, runs.nnx_abstract(s.cfg, s.mesh)[1]
+    return s, twins.nnx_abstract(s.cfg, s.mesh)[1]
 
 
 def _problems(variables, abstract) -> list[str]:

@@ -13,16 +13,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from migrate import config, memory, sharding
-from parity import checks, cli, cost, hlo
+from parity import cli, hlo
+from parity.decoder import checks as decoder_checks
+from parity.decoder import cost
+from parity.decoder.session import DecoderPair
 
 
 @functools.cache
-def session(name: str, *overrides: str) -> checks.Session:
-    return checks.Session(tiny(name, *overrides))
+def session(name: str, *overrides: str) -> DecoderPair:
+    return DecoderPair(tiny(name, *overrides))
 
 
 def test_compile_check_nnx_costs_what_linen_costs():
-    result = checks.compile_cost(session("llama2-tiny"))
+    result = decoder_checks.compile_cost(session("llama2-tiny"))
     assert result.passed, result.details
     by_field = {r["tensor"]: r for r in result.details}
     for field in ("temp_bytes", "flops", "argument_bytes", "output_bytes"):
@@ -36,7 +39,7 @@ def test_compile_check_reports_aliased_and_peak_bytes_of_the_donated_train_step(
     """The train step donates parameters and optimizer state: per device the outputs reuse
     the arguments' buffers, and the peak is arguments + temp + outputs - aliased, reported
     under exactly these names for both twins and compared."""
-    result = checks.compile_cost(session("llama2-tiny"))
+    result = decoder_checks.compile_cost(session("llama2-tiny"))
     by_field = {r["tensor"]: r for r in result.details}
     for twin in ("linen", "nnx"):
         args, temp, out, alias, peak = (
@@ -74,8 +77,8 @@ def test_compile_check_arguments_are_sharded_not_replicated():
     """Abstract params and optimizer moments carry their shardings: per-device argument bytes
     are the real arrays' (8-way over stage x fsdp), not a replicated copy."""
     s = session("llama2-tiny")
-    compiled = s.train_start("linen")[2]
-    result = checks.compile_cost(s)
+    compiled = s.compiled("linen")  # the train step, compiled for the Linen twin's own weights
+    result = decoder_checks.compile_cost(s)
     argument_bytes = next(r for r in result.details if r["tensor"] == "argument_bytes")
     assert argument_bytes["linen"] == compiled.memory_analysis().argument_size_in_bytes
 
@@ -83,7 +86,7 @@ def test_compile_check_arguments_are_sharded_not_replicated():
 @pytest.mark.parametrize("name", ["llama2-tiny", "llama2-tiny-delay", "llama2-tiny-tp"])
 def test_pipeline_matmul_work_matches_theory_exactly(name):
     s = session(name)
-    result = checks.efficiency(s)
+    result = decoder_checks.efficiency(s)
     record = result.details[0]
     assert record["theoretical"] == pytest.approx(s.cfg.pipeline_flop_overhead)
     # Dot FLOPs are exact integers: the pipeline does the schedule's work and not a FLOP more.
@@ -104,7 +107,7 @@ def test_efficiency_catches_matmul_work_replicated_over_the_tensor_axis():
     replicated = cfg.replace(logical_axis_rules=rules)
     measured = cost.pipeline_efficiency(replicated, sharding.make_mesh(replicated))
     assert measured.measured_overhead == 2 * measured.theoretical_overhead
-    assert measured.relative_error > checks.EFFICIENCY_TOLERANCE
+    assert measured.relative_error > decoder_checks.EFFICIENCY_TOLERANCE
 
 
 def _flops(fn, *args) -> tuple[float, float, float]:

@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from parity import checks, drilldown, hlo_diff
+from parity import compare, hlo_diff
+from parity.decoder import drilldown
+from parity.engine.result import verdict
 
 
 def lowered_text(fn, *args) -> str:
@@ -90,7 +92,7 @@ def test_grads_name_the_largest_relative_error_then_the_earliest_in_the_data_flo
         record("linen-init/grads/params/pipeline/layers/layers_0/mlp/wo/kernel", 2e-3),
         record("linen-init/grads/params/token_embedder/embedding", 0.0),
     ]
-    result = checks._result("grads", records, checks.compare.EXACT, worst_first=True)
+    result = verdict("grads", records, compare.EXACT, rank=drilldown.data_flow_rank)
     assert result.where.endswith("mlp/wo/kernel")  # largest; the MLP comes before the head
     assert drilldown.data_flow_rank("x/token_embedder/embedding") < drilldown.data_flow_rank(
         "x/pipeline/layers/layers_0/self_attention/query/kernel"

@@ -18,7 +18,8 @@ import migrate.nnx.layers as nnx_layers
 import migrate.nnx.pipeline as nnx_pipeline
 import migrate.nnx.train as nnx_train
 from migrate import axes, numerics
-from parity import cli, runs
+from parity import cli
+from parity.decoder import twins
 
 pytestmark = pytest.mark.slow
 TINY = str(CONFIG_DIR / "llama2-tiny.yml")
@@ -41,9 +42,9 @@ def run_cli(tmp_path, *args: str) -> tuple[int, dict]:
 def fresh_nnx():
     """NNX caches cleared around the test: the injected bug must be traced, and must not
     leak into later tests."""
-    runs.clear_nnx_caches()
+    twins.clear_nnx_caches()
     yield
-    runs.clear_nnx_caches()
+    twins.clear_nnx_caches()
 
 
 def failing(report: dict) -> dict[str, str]:

@@ -10,23 +10,25 @@ import pytest
 from conftest import TINY_CONFIGS, tiny
 
 from migrate import schedule
-from parity import checks, compare, runs
-from parity.runs import Run
+from parity import compare
+from parity.decoder import twins
+from parity.decoder.session import DecoderPair, vacuity_problems
+from parity.engine.checks import run_records
+from parity.engine.side import Run
 
 
 @functools.cache
-def session(name: str, *overrides: str, bubble_fill: float = 0.0) -> checks.Session:
-    return checks.Session(tiny(name, *overrides), bubble_fill)
+def session(name: str, *overrides: str, bubble_fill: float = 0.0) -> DecoderPair:
+    return DecoderPair(tiny(name, *overrides), bubble_fill)
 
 
 def pipelined_and_reference(name: str, *overrides: str, bubble_fill: float = 0.0):
     s = session(name, *overrides, bubble_fill=bubble_fill)
-    pipelined = s.run("linen", "linen").to_reference_layout(s.cfg)
-    return pipelined, s.run("linen", "linen", use_pipeline=False)
+    return s.pipelined_run("linen"), s.reference_run("linen")
 
 
 def assert_runs_match(actual: Run, expected: Run, tol: compare.Tolerance) -> list[dict]:
-    records = checks.compare_runs("", actual, expected, tol)
+    records = run_records("", actual, expected, tol)
     failing = [r for r in records if not r["passed"]]
     assert not failing, failing[:5]
     return records
@@ -39,7 +41,7 @@ def test_pipeline_equals_reference(name):
     records = assert_runs_match(pipelined, reference, compare.reshaped_tolerance(cfg))
     # Every gradient leaf is compared, in the reference layout: 9 per layer + 3 outside.
     assert sum(r["tensor"].startswith("grads/") for r in records) == 12
-    assert not checks.vacuity_problems(reference, cfg.vocab_size)
+    assert not vacuity_problems(reference, cfg.vocab_size)
 
 
 @pytest.mark.parametrize("microbatches", [4, 8, 16])  # M = S, 2S, 4S
@@ -73,8 +75,8 @@ def test_nan_hook_is_live_when_bubbles_are_not_masked(monkeypatch):
     monkeypatch.setattr(schedule, "stage_work", every_slot_valid)
     s = session("llama2-tiny")
     # A fresh jit (not the cached, masked executable) traces the patched schedule.
-    step = runs._linen_step.__wrapped__(s.cfg, s.mesh, None, float("nan"))
-    _, grads = step(s.linen_variables["params"], s.batch)
+    step = twins._linen_step.__wrapped__(s.cfg, s.mesh, None, float("nan"))
+    _, grads = step(s.linen_variables["params"], s.train_batch)
     # The forward pass overwrites the poisoned outputs, but the weight gradients sum
     # input x upstream-gradient over the idle slots too, and NaN x 0 is NaN.
     assert any(np.isnan(np.asarray(g)).any() for g in jax.tree.leaves(grads))

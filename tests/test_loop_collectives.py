@@ -16,7 +16,11 @@ from conftest import CONFIG_DIR, TINY_CONFIGS, tiny
 
 import migrate.nnx.pipeline as nnx_pipeline
 from migrate import schedule
-from parity import checks, cli, cost, hlo, runs
+from parity import cli, hlo
+from parity.decoder import checks as decoder_checks
+from parity.decoder import cost, twins
+from parity.decoder.session import DecoderPair
+from parity.engine.result import CheckResult
 
 
 @pytest.mark.parametrize("name", ["llama2-tiny", "llama2-tiny-delay", "llama2-tiny-scan"])
@@ -169,8 +173,8 @@ def test_loop_body_minimum_is_one_rotation_each_way_and_nothing_without_a_loop()
 
 
 @functools.cache
-def compile_result(name: str) -> checks.CheckResult:
-    return checks.compile_cost(checks.Session(tiny(name)))
+def compile_result(name: str) -> CheckResult:
+    return decoder_checks.compile_cost(DecoderPair(tiny(name)))
 
 
 @pytest.mark.slow
@@ -206,7 +210,7 @@ def finished_output_broadcast_to_every_stage(monkeypatch):
 
 @pytest.mark.slow
 def test_an_extra_collective_in_the_loop_body_fails_the_compile_check(monkeypatch, tmp_path):
-    runs.clear_nnx_caches()
+    twins.clear_nnx_caches()
     try:
         finished_output_broadcast_to_every_stage(monkeypatch)
         report = tmp_path / "report.json"
@@ -218,7 +222,7 @@ def test_an_extra_collective_in_the_loop_body_fails_the_compile_check(monkeypatc
         finally:
             cli.FLAGS.unparse_flags()
     finally:
-        runs.clear_nnx_caches()
+        twins.clear_nnx_caches()
     assert status == cli.EXIT_FAIL
     (check,) = json.loads(report.read_text())["checks"]
     assert check["worst"]["where"] == "loop body forward: all-reduce across stages"

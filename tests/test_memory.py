@@ -9,13 +9,13 @@ import jax
 import pytest
 from conftest import CONFIG_DIR, TINY_CONFIGS, tiny
 
-from migrate import checkpoint, memory, sharding
+from migrate import memory, sharding, train_state
 from migrate.config import load_config
-from parity import runs
+from parity.decoder import twins
 
 
 def traced_parameters(cfg) -> int:
-    variables = runs.linen_abstract_variables(cfg, sharding.make_mesh(cfg))
+    variables = twins.linen_abstract_variables(cfg, sharding.make_mesh(cfg))
     return sum(math.prod(x.shape) for x in jax.tree.leaves(nn.meta.unbox(variables)))
 
 
@@ -23,7 +23,7 @@ def traced_parameters(cfg) -> int:
 def test_parameter_count_is_the_traced_models_in_either_layout(name):
     cfg = tiny(name)
     assert memory.parameter_count(cfg) == traced_parameters(cfg)  # pipeline layout
-    assert memory.parameter_count(cfg) == traced_parameters(checkpoint.reference_config(cfg))
+    assert memory.parameter_count(cfg) == traced_parameters(train_state.reference_config(cfg))
 
 
 def test_llama2_7b_has_its_published_parameter_count():

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import CONFIG_DIR
 
-from migrate import checkpoint, cli
+from migrate import checkpoint, cli, cli_support
 from migrate.config import load_config
+from migrate.meta import CheckpointError, read_meta
 
 # A damaged checkpoint fails an Orbax read while others are in flight; those end in Orbax's
 # closed event loop and Python reports them as unraisable. The CLI silences them (its
@@ -56,7 +57,7 @@ def test_init_then_convert_with_verification(nnx_ckpt, tmp_path, capsys):
     assert "checked before writing: bit-exact" in out.out
     assert "checked before writing: forward" in out.out
     assert "forward check on the converted weights: PASS" in out.err
-    assert checkpoint.read_meta(dst)["framework"] == "linen"
+    assert read_meta(dst)["framework"] == "linen"
 
 
 def test_convert_restages_with_key_value_overrides(nnx_ckpt, tmp_path, capsys):
@@ -67,7 +68,7 @@ def test_convert_restages_with_key_value_overrides(nnx_ckpt, tmp_path, capsys):
     )  # fmt: skip
     assert code == cli.EXIT_OK, capsys.readouterr().err
     assert "nnx, pipeline S=2 R=4 L=1" in capsys.readouterr().out
-    meta = checkpoint.read_meta(dst)
+    meta = read_meta(dst)
     assert meta["stages"] == {"S": 2, "R": 4, "L": 1}
     # Back to the reference layout; a second run needs --force.
     ref = tmp_path / "ref"
@@ -148,6 +149,26 @@ def test_failed_verification_exits_1_and_writes_nothing(nnx_ckpt, tmp_path, caps
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("child_status", "expected"),
+    [(2, cli.EXIT_USAGE), (3, cli.EXIT_INTERNAL), (4, cli.EXIT_INTERNAL)],
+)
+def test_a_forward_check_that_cannot_run_is_not_a_verdict(
+    child_status, expected, nnx_ckpt, tmp_path, capsys, monkeypatch
+):
+    """`--verify_forward`'s parity child exiting 2 is bad input; a crash or a lost worker of the
+    child is an internal error, never exit 1 (a verdict on the weights); nothing is written."""
+    finished = subprocess.CompletedProcess([], child_status, "", "the child's last line\n")
+    monkeypatch.setattr(cli.subprocess, "run", lambda *args, **kwargs: finished)
+    dst = tmp_path / "dst"
+    args = ("convert", CONFIG, "--from=nnx", "--to=linen", "--verify_forward", nnx_ckpt, dst)
+    code = cli_support.guarded("migrate", lambda: migrate(*map(str, args)), lambda: False)
+    assert code == expected
+    err = capsys.readouterr().err
+    assert f"could not run (exit {child_status}): the child's last line" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_devices_follow_the_source_layout_and_the_overrides(nnx_ckpt, tmp_path):
     """Counted before JAX starts: the config, then the layout the source's validated meta
     records, then the overrides."""
@@ -164,7 +185,7 @@ def test_devices_follow_the_source_layout_and_the_overrides(nnx_ckpt, tmp_path):
     meta_file.write_text(json.dumps(meta))
     assert devices_needed({}, str(src)) == 2
     assert devices_needed({"ici_fsdp_parallelism": 4}, str(src)) == 4
-    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint there"):
+    with pytest.raises(CheckpointError, match="no checkpoint there"):
         devices_needed({}, str(tmp_path / "missing"))
 
 

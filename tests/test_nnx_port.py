@@ -12,24 +12,29 @@ from flax import nnx
 
 from migrate import convert, sharding
 from migrate.nnx import decoder as nnx_decoder
-from parity import checks, compare, runs
+from parity import compare
+from parity.decoder import checks as decoder_checks
+from parity.decoder import twins
+from parity.decoder.session import DecoderPair
+from parity.engine import checks
+from parity.engine.checks import run_records
 
 MODES = [(True, True), (True, False), (False, True), (False, False)]
 
 
 @functools.cache
-def session(name: str) -> checks.Session:
-    return checks.Session(tiny(name))
+def session(name: str) -> DecoderPair:
+    return DecoderPair(tiny(name))
 
 
 @pytest.mark.parametrize("name", TINY_CONFIGS)
 @pytest.mark.parametrize(
-    "check", [checks.forward, checks.grads, checks.pipeline], ids=lambda c: c.__name__
+    "check", [checks.forward, checks.grads, decoder_checks.pipeline], ids=lambda c: c.__name__
 )
 def test_nnx_equals_linen_exactly(name, check):
     result = check(session(name))
     assert result.passed, (result.message, [r for r in result.details if not r["passed"]][:5])
-    if check is not checks.pipeline:
+    if check is not decoder_checks.pipeline:
         # Linen vs NNX: the goal is exactly zero difference in float32, and it is met.
         assert result.value == 0.0
         assert all(r["mismatches"] == 0 for r in result.details)
@@ -41,10 +46,10 @@ def test_every_nnx_mode_builds_runs_and_matches_linen(graph_mode, graph_updates)
     expected = s.run("linen", "linen")
     with nnx.set_graph_mode(graph_mode), nnx.set_graph_updates(graph_updates):
         model = nnx_decoder.init_model(s.cfg, s.mesh)
-        params = runs.linen_to_nnx_params(s.cfg, s.mesh, s.linen_variables)
-        actual = runs.run_nnx(s.cfg, s.mesh, params, s.batch)
+        params = twins.linen_to_nnx_params(s.cfg, s.mesh, s.linen_variables)
+        actual = twins.run_nnx(s.cfg, s.mesh, params, s.train_batch)
         flat = nnx.to_flat_state(nnx.state(model))
-    records = checks.compare_runs("", actual, expected, compare.EXACT)
+    records = run_records("", actual, expected, compare.EXACT)
     assert all(r["passed"] and r["mismatches"] == 0 for r in records)
     for path, variable in flat:
         names = convert.nnx_names(variable)
@@ -56,8 +61,8 @@ def test_every_nnx_mode_builds_runs_and_matches_linen(graph_mode, graph_updates)
 def test_nnx_logical_names_equal_the_linen_boxes(name, use_pipeline):
     cfg = tiny(name)
     mesh = sharding.abstract_mesh(cfg)
-    _, abstract = runs.nnx_abstract(cfg, mesh, use_pipeline)
-    linen = runs.linen_abstract_variables(cfg, mesh, use_pipeline)
+    _, abstract = twins.nnx_abstract(cfg, mesh, use_pipeline)
+    linen = twins.linen_abstract_variables(cfg, mesh, use_pipeline)
     converted = convert.nnx_to_linen(abstract, target=linen)  # raises on any name mismatch
     assert jax.tree.structure(converted) == jax.tree.structure(linen)
     for variable in jax.tree.leaves(abstract, is_leaf=lambda x: isinstance(x, nnx.Variable)):
@@ -82,7 +87,7 @@ def test_nnx_init_places_arrays_like_linen(name):
 
 @pytest.mark.parametrize("name", ["llama2-tiny", "llama2-tiny-delay"])
 def test_nan_in_the_nnx_bubbles_reaches_no_output_or_gradient(name):
-    poisoned = checks.Session(tiny(name), bubble_fill=float("nan")).run("nnx", "linen")
+    poisoned = DecoderPair(tiny(name), bubble_fill=float("nan")).run("nnx", "linen")
     clean = session(name).run("nnx", "linen")
-    records = checks.compare_runs("", poisoned, clean, compare.EXACT)
+    records = run_records("", poisoned, clean, compare.EXACT)
     assert all(r["passed"] and r["nonfinite"] == 0 and r["mismatches"] == 0 for r in records)

@@ -19,7 +19,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from parity import compare, pairs
-from parity.checks import CheckResult
+from parity.engine.result import CheckResult
 from parity.pairs import compare_modules, format_report
 from parity.testing import assert_parity
 

@@ -137,7 +137,7 @@ def test_embedding_logits_and_loss_run_on_the_batch_split_over_stages(framework,
     the embedding before them) hold B / (data x fsdp x stage) rows per device, a quarter of
     the pipeline's B / (data x fsdp) on llama2-tiny, in the reference decoder too; and the
     embedding and logits tables are sharded over stages as well (FSDP)."""
-    from parity import runs
+    from parity.decoder import twins
 
     cfg = tiny("llama2-tiny")
     mesh = sharding.make_mesh(cfg)
@@ -145,12 +145,12 @@ def test_embedding_logits_and_loss_run_on_the_batch_split_over_stages(framework,
         ("data", "fsdp", "stage"), None, "tensor"
     )
     if framework == "linen":
-        params = runs.linen_initial_variables(cfg, mesh, use_pipeline)["params"]
-        step = runs.linen_step(cfg, mesh, use_pipeline)
+        params = twins.linen_initial_variables(cfg, mesh, use_pipeline)["params"]
+        step = twins.linen_step(cfg, mesh, use_pipeline)
         table = params["token_embedder"]["embedding"].value.sharding
     else:
-        params = runs.nnx_initial_state(cfg, mesh, use_pipeline)
-        step = runs.nnx_step(cfg, mesh, use_pipeline)
+        params = twins.nnx_initial_state(cfg, mesh, use_pipeline)
+        step = twins.nnx_step(cfg, mesh, use_pipeline)
         table = params["token_embedder"]["embedding"].get_value().sharding
     assert table.spec == P(("tensor", "stage"), "fsdp")
     batch = {
@@ -171,10 +171,10 @@ def test_embedding_logits_and_loss_run_on_the_batch_split_over_stages(framework,
 def test_reshards_into_and_out_of_the_pipeline_are_named_constraints(framework):
     """Both reshards are explicit sharding constraints under their own names, in the program
     each twin lowers (the compile check counts the collectives across stages around them)."""
-    from parity import checks
+    from parity.decoder.session import DecoderPair
 
-    s = checks.Session(tiny("llama2-tiny"))
-    text = s.own_lowered(framework).as_text(dialect="hlo", debug_info=True)
+    pair = DecoderPair(tiny("llama2-tiny"))
+    text = pair.lowered(framework).as_text(dialect="hlo", debug_info=True)
     for scope in (axes.INTO_PIPELINE, axes.OUT_OF_PIPELINE):
         constraints = [
             line for line in text.splitlines() if scope in line and "Sharding" in line

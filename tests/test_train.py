@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -12,13 +13,14 @@ from conftest import tiny
 from migrate import optim, sharding
 from migrate.linen import train as linen_train
 from migrate.nnx import train as nnx_train
-from parity import checks, runs
-from parity.data import synthetic_batch
+from parity.decoder import twins
+from parity.decoder.data import synthetic_batch
+from parity.decoder.session import DecoderPair
 
 
 @functools.cache
-def session(name: str) -> checks.Session:
-    return checks.Session(tiny(name))
+def session(name: str) -> DecoderPair:
+    return DecoderPair(tiny(name))
 
 
 def _specs(shardings) -> list[str]:
@@ -29,7 +31,7 @@ def test_declared_shardings_follow_the_names_and_moments_follow_their_parameters
     cfg = tiny("llama2-tiny-tp")
     mesh = sharding.abstract_mesh(cfg)
     tx = optim.make_optimizer(cfg)
-    linen_abstract = runs.linen_abstract_variables(cfg, mesh)["params"]
+    linen_abstract = twins.linen_abstract_variables(cfg, mesh)["params"]
     params, opt_state = linen_train.train_state_shardings(linen_abstract, mesh, cfg, tx)
     boxes = jax.tree.leaves(
         linen_abstract, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)
@@ -42,7 +44,7 @@ def test_declared_shardings_follow_the_names_and_moments_follow_their_parameters
     assert str(adam.count.spec) == "P()"  # step counts are replicated
     assert "P(None, 'stage', None)" in _specs(params)  # stage norms: not sharded over tensor
 
-    _, nnx_abstract = runs.nnx_abstract(cfg, mesh)
+    _, nnx_abstract = twins.nnx_abstract(cfg, mesh)
     nnx_params, nnx_opt_state = nnx_train.train_state_shardings(nnx_abstract, mesh, cfg, tx)
     assert _specs(nnx_params) == _specs(params)
     assert _specs(nnx_opt_state) == _specs(opt_state)
@@ -54,12 +56,13 @@ def test_pinned_train_step_keeps_the_declared_shardings_step_after_step(framewor
     pinned step returns exactly the declared shardings, so any number of steps runs."""
     s = session("llama2-tiny-tp")
     if framework == "linen":
-        step, _ = runs.linen_train_fns(s.cfg, s.mesh)
-        declared = runs.linen_train_shardings(s.cfg, s.mesh)
+        step, _ = twins.linen_train_fns(s.cfg, s.mesh)
+        declared = twins.linen_train_shardings(s.cfg, s.mesh)
     else:
-        step, _ = runs.nnx_train_fns(s.cfg, s.mesh)
-        declared = runs.nnx_train_shardings(s.cfg, s.mesh)
-    params, opt_state, _, _ = s.train_start(framework)  # copies: the step donates them
+        step, _ = twins.nnx_train_fns(s.cfg, s.mesh)
+        declared = twins.nnx_train_shardings(s.cfg, s.mesh)
+    trainer = s.side(framework).trainer(s.weights(framework, "linen"))
+    params, opt_state = trainer.params, trainer.opt_state  # copies: the step donates them
     for i in range(3):
         params, opt_state, metrics = step(params, opt_state, synthetic_batch(s.cfg, s.mesh, i))
         for array, expected in zip(
@@ -72,10 +75,11 @@ def test_pinned_train_step_keeps_the_declared_shardings_step_after_step(framewor
 @pytest.mark.parametrize("framework", ["linen", "nnx"])
 def test_train_step_donates_the_state_and_the_session_keeps_its_weights(framework):
     """Parameters and optimizer state go into the step and its outputs take their buffers
-    (aliased as much as the state weighs); the session's own weights, which every other check
+    (aliased as much as the state weighs); the pair's own weights, which every other check
     reads, are never the ones donated."""
     s = session("llama2-tiny-tp")
-    params, opt_state, step, _ = s.train_start(framework)
+    trainer = s.side(framework).trainer(s.weights(framework, "linen"))
+    params, opt_state, step = trainer.params, trainer.opt_state, trainer.step
     state_bytes = sum(x.nbytes for x in jax.tree.leaves((params, opt_state)))
     per_device_state = sum(
         shard.data.nbytes
@@ -88,6 +92,38 @@ def test_train_step_donates_the_state_and_the_session_keeps_its_weights(framewor
     assert all(x.is_deleted() for x in jax.tree.leaves((params, opt_state)))
     assert not any(x.is_deleted() for x in jax.tree.leaves((new_params, new_opt_state)))
     assert sum(x.nbytes for x in jax.tree.leaves((new_params, new_opt_state))) == state_bytes
-    assert not any(x.is_deleted() for x in jax.tree.leaves(s.linen_variables))
-    again, _, _, _ = s.train_start(framework)  # a fresh copy each time
-    assert not any(x.is_deleted() for x in jax.tree.leaves(again))
+    for weights in (s.linen_variables, s.weights(framework, "linen")):
+        assert not any(x.is_deleted() for x in jax.tree.leaves(weights))
+    again = s.side(framework).trainer(s.weights(framework, "linen"))  # a fresh copy each time
+    assert not any(x.is_deleted() for x in jax.tree.leaves((again.params, again.opt_state)))
+
+
+def test_an_evaluation_that_consumes_the_weights_fails_train_there_not_the_run(monkeypatch):
+    """The train check reads the weights back after evaluating them: an evaluation that
+    consumed (donated) them fails `train` there, naming them, and nothing is stepped; the run
+    does not crash on the deleted arrays."""
+    from parity.decoder import sides
+    from parity.engine import checks as engine_checks
+
+    own_trainer = sides.NNXDecoderSide.trainer
+
+    def consuming_trainer(self, weights):
+        trainer = own_trainer(self, weights)  # a copy of the pair's weights: those stay
+
+        def evaluate(params, batch):
+            loss = jax.block_until_ready(trainer.evaluate(params, batch))
+            for array in jax.tree.leaves(params):
+                array.delete()
+            return loss
+
+        return dataclasses.replace(trainer, evaluate=evaluate)
+
+    monkeypatch.setattr(sides.NNXDecoderSide, "trainer", consuming_trainer)
+    result = engine_checks.train(session("llama2-tiny-tp"), steps=2)
+    assert not result.passed and result.where.startswith("eval-before/nnx-params/")
+    consumed = [r for r in result.details if not r["passed"]]
+    assert len(consumed) == len(jax.tree.leaves(session("llama2-tiny-tp").nnx_params))
+    assert all(r["tensor"].startswith("eval-before/nnx-params/") for r in consumed)
+    assert all("consumed" in r["note"] for r in consumed)
+    assert not result.steps  # nothing left to step
+    assert not any(r["tensor"].startswith("eval-after") for r in result.details)

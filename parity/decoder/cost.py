@@ -26,7 +26,8 @@ from migrate.config import MESH_AXES, Config
 from migrate.linen import decoder as linen_decoder
 from migrate.linen import layers as linen_layers
 from migrate.linen import pipeline as linen_pipeline
-from parity import hlo, runs
+from parity import hlo
+from parity.decoder import twins
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,11 +102,11 @@ def abstract_train_state(cfg: Config, mesh: Mesh, framework: str) -> tuple[Any, 
     """(params, optimizer state) of one twin as ShapeDtypeStructs carrying the shardings its
     train step is pinned to: boxed Linen params, or an NNX Param state."""
     if framework == "linen":
-        abstract = runs.linen_abstract_variables(cfg, mesh)["params"]
-        param_shardings, opt_state_shardings = runs.linen_train_shardings(cfg, mesh)
+        abstract = twins.linen_abstract_variables(cfg, mesh)["params"]
+        param_shardings, opt_state_shardings = twins.linen_train_shardings(cfg, mesh)
     else:
-        _, abstract = runs.nnx_abstract(cfg, mesh)
-        param_shardings, opt_state_shardings = runs.nnx_train_shardings(cfg, mesh)
+        _, abstract = twins.nnx_abstract(cfg, mesh)
+        param_shardings, opt_state_shardings = twins.nnx_train_shardings(cfg, mesh)
     with nnx.use_eager_sharding(False):
         params = _with_shardings(param_shardings, abstract)
         opt_state = jax.eval_shape(optim.make_optimizer(cfg).init, params)
@@ -116,7 +117,7 @@ def compile_train_step(cfg: Config, mesh: Mesh, framework: str) -> CompiledCost:
     """Lower and compile the whole train step (forward, backward, optimizer) abstractly: the
     same jitted step the `train` check runs, with its pinned shardings."""
     params, opt_state = abstract_train_state(cfg, mesh, framework)
-    step, _ = (runs.linen_train_fns if framework == "linen" else runs.nnx_train_fns)(cfg, mesh)
+    step, _ = (twins.linen_train_fns if framework == "linen" else twins.nnx_train_fns)(cfg, mesh)
     start = time.perf_counter()
     compiled = step.lower(params, opt_state, abstract_batch(cfg, mesh)).compile()
     return CompiledCost.of(compiled, time.perf_counter() - start)
@@ -173,7 +174,7 @@ def _one_device_mesh() -> Mesh:
 
 def pipeline_efficiency(cfg: Config, mesh: Mesh) -> PipelineEfficiency:
     """Matmul work the pipeline performs against the useful work (cached per computation)."""
-    return _pipeline_efficiency(runs.compute_config(cfg), mesh)
+    return _pipeline_efficiency(twins.compute_config(cfg), mesh)
 
 
 @functools.cache
@@ -193,7 +194,7 @@ def _pipeline_efficiency(cfg: Config, mesh: Mesh) -> PipelineEfficiency:
         set_remat_policy_on_pipeline_iterations=False,
     )
     rules = cfg.logical_axis_rules
-    variables = runs.linen_abstract_variables(cfg, mesh)
+    variables = twins.linen_abstract_variables(cfg, mesh)
     weights = _with_shardings(  # boxed: `pipeline_fsdp_ag_once` reads the logical names
         linen_decoder.param_shardings(variables, mesh, cfg)["params"]["pipeline"],
         variables["params"]["pipeline"],

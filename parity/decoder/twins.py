@@ -1,12 +1,15 @@
-"""Forward+backward runs of either twin, with compiled functions and initial weights cached.
+"""The decoder twins' compiled functions and initial weights, cached per config and mesh.
 
-Every run returns host (numpy) values in one common form, Linen's: loss, logits, and gradients
-as an unboxed `{'params': ...}` tree, so that any two runs compare leaf by leaf.
+Framework-specific on purpose: this is what `parity.decoder.sides` adapts to the `Side`
+protocol. Every run returns host (numpy) values in one common form, Linen's: loss, logits, and
+gradients as an unboxed `{'params': ...}` tree, so that any two runs compare leaf by leaf.
+Configs that differ only in keys that do not change the computation share one compiled
+function (`compute_config`); configs that differ only in schedule keys share one
+initialisation (`schedule_free`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -25,22 +28,7 @@ from migrate.linen import train as linen_train
 from migrate.nnx import decoder as nnx_decoder
 from migrate.nnx import train as nnx_train
 from parity import distributed
-
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-    """One forward+backward on the host: loss, logits, unboxed Linen-form gradients, and the
-    global gradient norm computed on device from the sharded gradients (as clipping does)."""
-
-    loss: Any
-    logits: Any
-    grads: Any
-    grad_norm: Any = None
-
-    def to_reference_layout(self, cfg: Config) -> Run:
-        """The same run with pipeline-layout gradients moved to the reference layout."""
-        grads = convert.linen_pipeline_to_reference(self.grads, cfg)
-        return dataclasses.replace(self, grads=grads)
+from parity.engine.side import Run
 
 
 def fresh_copy(tree: Any) -> Any:
@@ -264,7 +252,7 @@ def run_nnx(
 def clear_nnx_caches() -> None:
     """Forget every cached NNX graphdef, state and compiled function (after the NNX code
     changed, for example a monkeypatched bug in a test). Linen caches stay valid."""
-    from parity import drilldown
+    from parity.decoder import drilldown
 
     for cached in (
         _nnx_abstract,

@@ -1,0 +1,185 @@
+"""The pipelined decoder twins of a config as the two `Side`s of a pair.
+
+`LinenDecoderSide` and `NNXDecoderSide` adapt `migrate/linen` and `migrate/nnx` (through the
+compiled-function caches of `parity.decoder.twins`) to the protocol the checks are written
+against. The program a side exposes is its jitted train step (shardings pinned), lowered for
+the weights given.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from migrate import convert, optim
+from migrate import sharding as sharding_lib
+from migrate.config import Config
+from parity import compare, distributed
+from parity.decoder import drilldown, twins
+from parity.engine.side import DrillStage, ProgramArray, Run, Side, Trainer
+
+# The train step's positional arguments and results, as labels name them.
+STEP_PARTS = {
+    "input": ("params", "opt_state", "batch"),
+    "output": ("params", "opt_state", "metrics"),
+}
+
+
+class DecoderSide(Side):
+    """What both twins' sides share: the config, mesh, batch, and compiled programs cached by
+    the weights they were lowered for."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        mesh: Mesh,
+        batch: Any,
+        use_pipeline: bool | None = None,
+        bubble_fill: float = 0.0,
+    ) -> None:
+        self.cfg, self.mesh, self.batch = cfg, mesh, batch
+        self.use_pipeline, self.bubble_fill = use_pipeline, bubble_fill
+        self.tx = optim.make_optimizer(cfg)
+        self._programs: dict[int, tuple[Any, Any, Any]] = {}
+
+    # The train step: (jitted step, jitted eval step) and the declared state shardings.
+    def train_fns(self) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def state_shardings(self) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def step_params(self, weights: Any) -> Any:
+        """The train step's parameter argument for `weights`."""
+        return weights
+
+    def lowered(self, weights: Any) -> jax.stages.Lowered:
+        return self._program(weights)[1]
+
+    def compiled(self, weights: Any) -> jax.stages.Compiled:
+        """The train step compiled for `weights` (once per weights object)."""
+        held, lowered, compiled = self._program(weights)
+        if compiled is None:
+            compiled = lowered.compile()
+            self._programs[id(weights)] = (held, lowered, compiled)
+        return compiled
+
+    def _program(self, weights: Any) -> tuple[Any, Any, Any]:
+        if id(weights) not in self._programs:
+            params = self.step_params(weights)
+            step, _ = self.train_fns()
+            # A real optimizer state, not `jax.eval_shape`'s (which carries no shardings): a
+            # step jitted without pinned shardings (tests/test_injected_bugs.py) must be
+            # compiled for the arguments the train check will pass it.
+            lowered = step.lower(params, self.tx.init(params), self.batch)
+            self._programs[id(weights)] = (weights, lowered, None)  # holds weights: ids stay
+        return self._programs[id(weights)]
+
+    def trainer(self, weights: Any) -> Trainer:
+        """The train step donates its state: every call starts from a fresh copy of the
+        weights (and a new optimizer state), so that the pair's own weights, which every other
+        check reads, are never the ones consumed."""
+        params = twins.fresh_copy(self.step_params(weights))
+        _, evaluate = self.train_fns()
+        return Trainer(params, self.tx.init(params), self.compiled(weights), evaluate)
+
+    def program_shardings(self, compiled: jax.stages.Compiled) -> dict[str, ProgramArray]:
+        """Per array of the train step's inputs and outputs: its compiled sharding and the one
+        declared (one per box, Variable or batch, broadcast over the step's leaves)."""
+        params, opt_state = self.state_shardings()
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        batch = sharding_lib.batch_sharding(self.cfg, self.mesh)
+        declared = {"input": (params, opt_state, batch), "output": (params, opt_state, replicated)}
+        leaves = {}
+        for io in ("input", "output"):
+            if io == "input":
+                actual, avals = compiled.input_shardings[0], compiled.args_info[0]
+            else:
+                actual, avals = compiled.output_shardings, compiled.out_info
+            expected = jax.tree.map(
+                lambda d, sub: jax.tree.map(lambda _: d, sub), declared[io], actual
+            )
+            flat_actual, _ = jax.tree_util.tree_flatten_with_path(actual)
+            for (path, a), d, aval in zip(
+                flat_actual, jax.tree.leaves(expected), jax.tree.leaves(avals), strict=True
+            ):
+                part, rest = STEP_PARTS[io][path[0].idx], compare.path_str(path[1:])
+                name = "/".join(p for p in (part, rest) if p).removesuffix("/value")
+                leaves[f"train step {io}: {name}"] = (a, len(aval.shape), d)
+        return leaves
+
+    def drill_stages(self, weights: Any) -> list[DrillStage]:
+        common = distributed.to_host(self.to_common(weights))
+        return drilldown.stages(self.framework, self.cfg, self.mesh, weights, common, self.batch)
+
+
+class LinenDecoderSide(DecoderSide):
+    """The Linen twin: boxed `{'params': ...}` variables are both native and common form."""
+
+    framework = "linen"
+
+    def own_weights(self) -> Any:
+        return twins.linen_initial_variables(self.cfg, self.mesh, self.use_pipeline)
+
+    def to_common(self, weights: Any) -> dict[str, Any]:
+        return weights
+
+    def from_common(self, variables: dict[str, Any]) -> Any:
+        target = twins.linen_abstract_variables(self.cfg, self.mesh, self.use_pipeline)
+        return convert.check_linen(variables, target)
+
+    def plain(self, tree: Any) -> Any:
+        return distributed.to_host(nn.meta.unbox(tree))
+
+    def step_params(self, weights: Any) -> Any:
+        return weights["params"]
+
+    def run(self, weights: Any) -> Run:
+        return twins.run_linen(
+            self.cfg, self.mesh, weights, self.batch, self.use_pipeline, self.bubble_fill
+        )
+
+    def train_fns(self) -> tuple[Any, Any]:
+        return twins.linen_train_fns(self.cfg, self.mesh)
+
+    def state_shardings(self) -> tuple[Any, Any]:
+        return twins.linen_train_shardings(self.cfg, self.mesh)
+
+
+class NNXDecoderSide(DecoderSide):
+    """The NNX twin: the Param `nnx.State`, moved to and from Linen's variables by the strict
+    converters."""
+
+    framework = "nnx"
+
+    def own_weights(self) -> Any:
+        return twins.nnx_initial_state(self.cfg, self.mesh, self.use_pipeline)
+
+    def to_common(self, weights: Any) -> dict[str, Any]:
+        return convert.nnx_to_linen(weights)
+
+    def from_common(self, variables: dict[str, Any]) -> Any:
+        return twins.linen_to_nnx_params(self.cfg, self.mesh, variables, self.use_pipeline)
+
+    def plain(self, tree: Any) -> Any:
+        tree = jax.tree.map(
+            lambda x: nnx.to_pure_dict(x) if isinstance(x, nnx.State) else x,
+            tree,
+            is_leaf=lambda x: isinstance(x, nnx.State),
+        )
+        return distributed.to_host(nn.meta.unbox(tree))
+
+    def run(self, weights: Any) -> Run:
+        return twins.run_nnx(
+            self.cfg, self.mesh, weights, self.batch, self.use_pipeline, self.bubble_fill
+        )
+
+    def train_fns(self) -> tuple[Any, Any]:
+        return twins.nnx_train_fns(self.cfg, self.mesh)
+
+    def state_shardings(self) -> tuple[Any, Any]:
+        return twins.nnx_train_shardings(self.cfg, self.mesh)

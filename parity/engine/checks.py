@@ -1,0 +1,309 @@
+"""The numeric checks, written once over a pair of Sides.
+
+`roundtrip`, `forward`, `grads`, `init`, `train` and `layers` take a `Pair` and return a
+`CheckResult`; they never ask which framework a side is. The program-level checks (sharding,
+program) are in `parity.engine.programs`; checks that only a pipelined decoder has are in
+`parity.decoder.checks`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from parity import compare, distributed, init_check
+from parity.engine.pair import SOURCES, Pair
+from parity.engine.result import (
+    CheckResult,
+    exact_records,
+    numeric_records,
+    tree_records,
+    verdict,
+)
+from parity.engine.side import Run
+
+
+def run_records(
+    prefix: str,
+    actual: Run,
+    expected: Run,
+    tol: compare.Tolerance,
+    parts: Sequence[str] = ("loss", "outputs", "grads"),
+    output_name: str = "outputs",
+) -> list[dict]:
+    """Records for the named parts of two runs; the outputs are recorded under `output_name`
+    (a pair's: `logits` for a decoder)."""
+    records = []
+    for part in parts:
+        field = "outputs" if part == output_name else part
+        diffs = compare.compare_trees(getattr(actual, field), getattr(expected, field))
+        records += numeric_records(f"{prefix}{part}", diffs, tol)
+    return records
+
+
+def vacuity(pair: Pair, named_runs: dict[str, Run]) -> list[str]:
+    return [f"{label}: {p}" for label, run in named_runs.items() for p in pair.vacuity(run)]
+
+
+# ------------------------------------------------------------------ weights
+
+
+def roundtrip(pair: Pair) -> CheckResult:
+    """Linen -> NNX -> Linen and NNX -> Linen -> NNX give back every leaf bit-exactly, with its
+    dtype, for both weight sources (and any round trip the pair adds: layouts)."""
+    records = []
+    for source in SOURCES:
+        linen_weights, nnx_weights = pair.weights("linen", source), pair.weights("nnx", source)
+        linen, nnx = pair.linen, pair.nnx
+        back = linen.from_common(nnx.to_common(nnx.from_common(linen.to_common(linen_weights))))
+        records += exact_records(
+            f"{source}-init/linen->nnx->linen", linen.plain(back), linen.plain(linen_weights)
+        )
+        back = nnx.from_common(linen.to_common(linen.from_common(nnx.to_common(nnx_weights))))
+        records += exact_records(
+            f"{source}-init/nnx->linen->nnx", nnx.plain(back), nnx.plain(nnx_weights)
+        )
+        records += pair.extra_roundtrip_records(source)
+    return verdict("roundtrip", records, compare.EXACT, note=pair.roundtrip_note)
+
+
+def init(pair: Pair) -> CheckResult:
+    """Linen's and NNX's own initialisations: per parameter the logical names, shape and dtype
+    exactly, and the distribution (mean, std, kurtosis, tail, zeros, distinct stacked slices)
+    within bounds derived from the element counts."""
+    linen_common = pair.linen.to_common(pair.weights("linen", "linen"))
+    nnx_common = pair.nnx.to_common(pair.weights("nnx", "nnx"))
+    records = init_check.init_records(linen_common["params"], nnx_common["params"])
+    failing = [r for r in records if not r["passed"]]
+    worst = failing[0] if failing else max(records, key=lambda r: r["max_rel"])
+    return CheckResult(
+        name="init",
+        passed=not failing,
+        metric=init_check.METRIC,
+        value=worst["max_rel"],
+        tolerance=1.0,
+        where=worst["tensor"],
+        details=tuple(records),
+        message=(
+            f"Linen {worst['linen']} vs NNX {worst['nnx']}"
+            if failing
+            else "same names, shapes, dtypes; every statistic within its bound "
+            f"({init_check.initstats.Z_BOUND:g} standard errors)"
+        ),
+    )
+
+
+# ------------------------------------------------------------------ forward and backward
+
+
+def _both_sources(pair: Pair, name: str, parts: Sequence[str]) -> CheckResult:
+    tol = pair.tolerance
+    records, named = [], {}
+    for source in SOURCES:
+        linen_run, nnx_run = pair.run("linen", source), pair.run("nnx", source)
+        named |= {f"linen ({source}-init)": linen_run, f"nnx ({source}-init)": nnx_run}
+        records += run_records(f"{source}-init/", nnx_run, linen_run, tol, parts, pair.output_name)
+    return verdict(name, records, tol, vacuity(pair, named), rank=pair.rank)
+
+
+def forward(pair: Pair) -> CheckResult:
+    """Outputs and loss, NNX against Linen, from Linen's and from NNX's initial weights."""
+    return _both_sources(pair, "forward", pair.forward_parts)
+
+
+def grads(pair: Pair) -> CheckResult:
+    """Every gradient leaf (NNX's mapped through the converter) and the global gradient norm,
+    NNX against Linen, from both weight sources."""
+    parts = (
+        ("grads", "grad_norm") if pair.run("linen", "linen").grad_norm is not None else ("grads",)
+    )
+    return _both_sources(pair, "grads", parts)
+
+
+# ------------------------------------------------------------------ training
+
+
+def _unchanged(prefix: str, before: Any, after: Any) -> list[dict]:
+    return exact_records(prefix, after, before)
+
+
+def _consumed(prefix: str, native: Any) -> list[dict]:
+    """A failing record for every array of `native` that a call deleted (donated): such a
+    state cannot even be read back, let alone compared or stepped."""
+    note = "deleted: the evaluation consumed (donated) it"
+    return [
+        {"tensor": f"{prefix}/{compare.path_str(path)}", "passed": False, "max_rel": math.inf}
+        | {"note": note}
+        for path, x in jax.tree_util.tree_flatten_with_path(native)[0]
+        if isinstance(x, jax.Array) and x.is_deleted()
+    ]
+
+
+def _returned_state_records(prefix: str, side_plain, compiled_step, params, opt_state) -> list:
+    """Each returned parameter and optimizer-state array against the sharding the compiled
+    step takes it with; only the mismatches are recorded."""
+    del side_plain
+    expected = jax.tree.leaves(compiled_step.input_shardings[0][:2])
+    returned = [
+        (f"{part}/{compare.path_str(path)}", array)
+        for part, tree in (("params", params), ("opt_state", opt_state))
+        for path, array in jax.tree_util.tree_flatten_with_path(tree)[0]
+    ]
+    records = []
+    for (path, array), want in zip(returned, expected, strict=True):
+        have = getattr(array, "sharding", None)
+        if have is None or have.is_equivalent_to(want, array.ndim):
+            continue
+        records.append(
+            {
+                "tensor": f"{prefix}: {path}",
+                "passed": False,
+                "max_rel": math.inf,
+                "returned": str(getattr(have, "spec", have)),
+                "expected": str(getattr(want, "spec", want)),
+            }
+        )
+    return records
+
+
+def train(
+    pair: Pair, steps: int = 5, on_step: Callable[[int, bool], None] | None = None
+) -> CheckResult:
+    """`steps` optimizer steps on both sides from the same weights and optimizer state, with a
+    forward-only evaluation before the first step and after the last. Per step: loss, gradient
+    norm, every updated parameter and every optimizer-state leaf; the first diverging step is
+    named. `on_step(step, passed)` is called after each step."""
+    tol = pair.tolerance
+    linen, nnx = pair.linen, pair.nnx
+    linen_t = linen.trainer(pair.weights("linen", "linen"))
+    nnx_t = nnx.trainer(pair.weights("nnx", "linen"))
+    linen_params, linen_opt = linen_t.params, linen_t.opt_state
+    nnx_params, nnx_opt = nnx_t.params, nnx_t.opt_state
+    eval_batch = pair.batch(split="eval")
+    records: list[dict] = []
+    per_step: list[dict] = []
+
+    def evaluate(label: str) -> bool:
+        """Both evaluations, which must leave no state behind and must not consume (donate)
+        the parameters; False when they did (nothing left to step)."""
+        before = (linen.plain(linen_params), nnx.plain(nnx_params))  # host copies
+        linen_loss = linen_t.evaluate(linen_params, eval_batch)
+        nnx_loss = nnx_t.evaluate(nnx_params, eval_batch)
+        records.extend(tree_records(f"eval-{label}/loss", nnx_loss, linen_loss, tol))
+        usable = True
+        for side, params, kept in ((linen, linen_params, before[0]), (nnx, nnx_params, before[1])):
+            prefix = f"eval-{label}/{side.framework}-params"
+            consumed = _consumed(prefix, params)
+            records.extend(consumed or _unchanged(prefix, kept, side.plain(params)))
+            usable = usable and not consumed
+        return usable
+
+    records.extend(tree_records("init/opt_state", nnx.plain(nnx_opt), linen.plain(linen_opt), tol))
+    usable = evaluate("before")
+    losses = []
+    for step in range(steps if usable else 0):
+        batch = pair.batch(step)
+        linen_params, linen_opt, linen_metrics = linen_t.step(linen_params, linen_opt, batch)
+        nnx_params, nnx_opt, nnx_metrics = nnx_t.step(nnx_params, nnx_opt, batch)
+        linen_metrics, nnx_metrics = distributed.to_host((linen_metrics, nnx_metrics))
+        # A step whose outputs are not valid inputs of the next cannot be stepped again: say
+        # where, as a parity failure of that step, instead of letting the next call raise.
+        step_records = _returned_state_records(
+            f"step {step}/linen returned", linen.plain, linen_t.step, linen_params, linen_opt
+        ) + _returned_state_records(
+            f"step {step}/nnx returned", nnx.plain, nnx_t.step, nnx_params, nnx_opt
+        )
+        resumable = all(r["passed"] for r in step_records)
+        for key in ("loss", "grad_norm"):
+            step_records += tree_records(
+                f"step {step}/{key}", nnx_metrics[key], linen_metrics[key], tol
+            )
+        step_records += tree_records(
+            f"step {step}/params", nnx.plain(nnx_params), linen.plain(linen_params), tol
+        )
+        step_records += tree_records(
+            f"step {step}/opt_state", nnx.plain(nnx_opt), linen.plain(linen_opt), tol
+        )
+        records.extend(step_records)
+        losses.append(float(linen_metrics["loss"]))
+        per_step.append(
+            {
+                "step": step,
+                "loss_linen": float(linen_metrics["loss"]),
+                "loss_nnx": float(nnx_metrics["loss"]),
+                "max_rel": max(r["max_rel"] for r in step_records),
+                "passed": all(r["passed"] for r in step_records),
+            }
+        )
+        if on_step is not None:
+            on_step(step, per_step[-1]["passed"])
+        if not resumable:
+            break
+    else:
+        if usable:
+            evaluate("after")
+    problems = []
+    if losses and not losses[-1] < losses[0] + 1.0:
+        problems.append(f"training diverged: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    result = verdict("train", records, tol, problems)
+    return dataclasses.replace(result, steps=tuple(per_step))
+
+
+# ------------------------------------------------------------------ drill-down
+
+
+def layers(pair: Pair) -> CheckResult:
+    """Drill-down: the model cut into stages (`Side.drill_stages`), each fed on both sides the
+    same input (Linen's output of the stage it reads from); every capture of every stage,
+    NNX against Linen, in execution order: the first divergence is named."""
+    tol = pair.tolerance
+    linen_stages = pair.linen.drill_stages(pair.weights("linen", "linen"))
+    nnx_stages = pair.nnx.drill_stages(pair.weights("nnx", "linen"))
+    if [s.name for s in linen_stages] != [s.name for s in nnx_stages]:
+        raise ValueError(
+            f"drill-down stages differ: Linen {[s.name for s in linen_stages]} vs NNX "
+            f"{[s.name for s in nnx_stages]}"
+        )
+    records: list[dict] = []
+    outputs: dict[str, Any] = {}
+    previous: Any = None
+    for linen_stage, nnx_stage in zip(linen_stages, nnx_stages, strict=True):
+        x = outputs[linen_stage.input_from] if linen_stage.input_from else previous
+        linen_out, linen_caps = linen_stage.apply(x)
+        _, nnx_caps = nnx_stage.apply(x)
+        order = {name: i for i, name in enumerate(linen_stage.order)}
+        for name in sorted(set(linen_caps) | set(nnx_caps), key=lambda n: order.get(n, len(order))):
+            fields = linen_stage.fields(name)
+            if name not in linen_caps or name not in nnx_caps:
+                records.append(
+                    {
+                        "tensor": name,
+                        "passed": False,
+                        "max_rel": float("inf"),
+                        "mismatches": -1,
+                        "nonfinite": 0,
+                        "note": "captured on one side only",
+                    }
+                    | fields
+                )
+                continue
+            diff = compare.leaf_diff(name, nnx_caps[name], linen_caps[name])
+            records.append(
+                numeric_records(name, [dataclasses.replace(diff, path="")], tol)[0] | fields
+            )
+        outputs[linen_stage.name] = previous = linen_out
+    return verdict("layers", records, tol)
+
+
+CHECKS: dict[str, Callable[..., CheckResult]] = {
+    "roundtrip": roundtrip,
+    "init": init,
+    "forward": forward,
+    "grads": grads,
+    "train": train,
+    "layers": layers,
+}

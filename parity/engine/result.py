@@ -1,0 +1,197 @@
+"""What a check returns, and the records and verdicts every check builds it from.
+
+A `CheckResult` is data only (`parity.report` renders it); its `status` says which exit code it
+gives the run. Records are dicts, one per compared leaf or fact; a check's verdict names the
+first failing record in check order, or with a data-flow rank the failing record with the
+largest error relative to its scale (the earliest in the data flow among equals).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from migrate import convert, errors
+from migrate.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_USAGE
+from migrate.layout import LayoutError
+from parity import compare, distributed
+
+# A check's status and the exit status it gives the run (the largest over all checks wins):
+# `failed` is a real parity failure; `bad_input` a check that could not run on this input or
+# machine (out of memory, a config error found late); `errored` one that crashed (a bug).
+EXIT_STATUS = {
+    "passed": EXIT_PASS,
+    "failed": EXIT_FAIL,
+    "bad_input": EXIT_USAGE,
+    "errored": EXIT_INTERNAL,
+}
+# Exceptions that mean the twins differ (a check that raises one of these failed, it did not
+# crash): mismatching paths or names in the converter, layouts, trees of different shapes.
+PARITY_ERRORS = (convert.ConversionError, LayoutError, compare.TreeMismatch)
+
+Rank = Callable[[str], Any]  # record tensor -> sort key of its place in the data flow
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckResult:
+    """A check's verdict, its worst error against its tolerance, where, and per-leaf details."""
+
+    name: str
+    passed: bool
+    metric: str
+    value: float
+    tolerance: float
+    where: str
+    details: tuple[dict[str, Any], ...] = ()
+    message: str = ""
+    steps: tuple[dict[str, Any], ...] = ()  # per-step series (train), for the plot
+    status: str = ""  # a key of EXIT_STATUS; default: passed or failed, from `passed`
+
+    def __post_init__(self) -> None:
+        if not self.status:
+            object.__setattr__(self, "status", "passed" if self.passed else "failed")
+        if self.status not in EXIT_STATUS or (self.status == "passed") != self.passed:
+            raise ValueError(f"check {self.name}: status {self.status!r}, passed={self.passed}")
+
+
+def skipped(name: str, metric: str, tolerance: float, reason: str) -> CheckResult:
+    """A check that does not apply to this pair (a config that does not pipeline): passed."""
+    return CheckResult(name, True, metric, 0.0, tolerance, "-", message=reason)
+
+
+def errored(name: str, error: Exception) -> CheckResult:
+    """A check that raised. A `PARITY_ERRORS` exception (converter errors list every path) is a
+    failed check; bad input or a resource (out of memory) is `bad_input`; anything else is a
+    crash of the harness, `errored`, never reported as a parity failure."""
+    text = str(error)[:20_000]
+    first_line = text.splitlines()[0] if text else ""
+    where = text.splitlines()[1].strip(" -") if len(text.splitlines()) > 1 else first_line
+    if isinstance(error, PARITY_ERRORS):
+        status, message = "failed", f"{type(error).__name__}: {text[:4000]}"
+    else:
+        exit_status, _, message = errors.classify(error)
+        status = "bad_input" if exit_status == EXIT_USAGE else "errored"
+    return CheckResult(
+        name=name,
+        passed=False,
+        metric="error",
+        value=float("inf"),
+        tolerance=0.0,
+        where=where[:300],
+        message=message,
+        status=status,
+    )
+
+
+# ------------------------------------------------------------------ records
+
+
+def numeric_records(
+    prefix: str, diffs: Sequence[compare.LeafDiff], tol: compare.Tolerance
+) -> list[dict]:
+    """One record per compared leaf: its errors, and whether they are within `tol`."""
+    return [
+        {
+            "tensor": f"{prefix}/{d.path}" if d.path else prefix,
+            "max_abs": d.max_abs,
+            "max_rel": d.max_rel,
+            "ulp_at_scale": d.ulp_at_scale,
+            "mismatches": d.mismatches,
+            "nonfinite": d.nonfinite_actual + d.nonfinite_expected,
+            "passed": d.passes(tol),
+        }
+        for d in diffs
+    ]
+
+
+def tree_records(prefix: str, actual: Any, expected: Any, tol: compare.Tolerance) -> list[dict]:
+    """Records for two trees (or arrays) of the same structure."""
+    return numeric_records(prefix, compare.compare_trees(actual, expected), tol)
+
+
+def exact_records(prefix: str, actual: Any, expected: Any) -> list[dict]:
+    """Records of two trees that must be bit-identical, dtypes included (a round trip)."""
+    records = tree_records(prefix, actual, expected, compare.EXACT)
+    dtypes_a = [str(np.asarray(x).dtype) for x in _host_leaves(actual)]
+    dtypes_b = [str(np.asarray(x).dtype) for x in _host_leaves(expected)]
+    for record, dtype_a, dtype_b in zip(records, dtypes_a, dtypes_b, strict=True):
+        record["passed"] = record["passed"] and record["mismatches"] == 0
+        if dtype_a != dtype_b:
+            record["passed"] = False
+            record["dtype"] = f"{dtype_a} vs {dtype_b}"
+    return records
+
+
+def _host_leaves(tree: Any) -> list[Any]:
+    import jax
+
+    return jax.tree.leaves(distributed.to_host(tree))
+
+
+def fact_record(tensor: str, passed: bool, linen: Any, nnx: Any) -> dict:
+    """One fact of a structural comparison: Linen's value, NNX's, and whether they agree."""
+    return {
+        "tensor": tensor,
+        "passed": bool(passed),
+        "linen": str(linen),
+        "nnx": str(nnx),
+        "max_rel": 0.0 if passed else 1.0,
+    }
+
+
+# ------------------------------------------------------------------ verdicts
+
+
+def verdict(
+    name: str,
+    records: list[dict],
+    tol: compare.Tolerance,
+    problems: Sequence[str] = (),
+    rank: Rank | None = None,
+    note: str | None = None,
+) -> CheckResult:
+    """The verdict over numeric `records`. `where` names the first failing record in check
+    order (the step order of `train`, the data flow of `layers`) or, given a data-flow `rank`,
+    the failing record with the largest error relative to its scale, the earliest in the data
+    flow among equals; when nothing fails, the worst record; a vacuous run (`problems` and no
+    failing record), its first problem."""
+    failing = [r for r in records if not r["passed"]]
+    if failing and rank is not None:
+        worst = min(failing, key=lambda r: (-r["max_rel"], rank(r["tensor"])))
+    else:
+        worst = failing[0] if failing else max(records, key=lambda r: r["max_rel"], default=None)
+    where = problems[0] if problems and not failing else (worst["tensor"] if worst else "-")
+    return CheckResult(
+        name=name,
+        passed=not failing and not problems,
+        metric="max_rel",
+        value=worst["max_rel"] if worst else 0.0,
+        tolerance=tol.max_rel,
+        where=where,
+        details=tuple(records),
+        message="; ".join(problems) or note or tol.reason,
+    )
+
+
+def facts_verdict(name: str, records: list[dict], passing_note: str) -> CheckResult:
+    """The verdict over structural facts: failed by the first fact that disagrees."""
+    failing = [r for r in records if not r["passed"]]
+    worst = failing[0] if failing else None
+    return CheckResult(
+        name=name,
+        passed=not failing,
+        metric="mismatches",
+        value=float(len(failing)),
+        tolerance=0.0,
+        where=worst["tensor"] if worst else f"{len(records)} facts agree",
+        details=tuple(records),
+        message=(
+            f"linen {worst['linen']} vs nnx {worst['nnx']}"
+            + (f" (declared {worst['declared']})" if "declared" in worst else "")
+            if worst
+            else passing_note
+        ),
+    )

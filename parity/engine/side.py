@@ -1,0 +1,130 @@
+"""One framework's half of a parity pair: the `Side` protocol the checks are written against.
+
+A check takes two Sides (`parity.engine.pair.Pair`) and never asks which framework a side is:
+everything framework-specific (building weights, converting them, calling the module, taking
+gradients, capturing intermediates, lowering the program) lives behind these methods. Weights
+move between the sides through one common form, Linen's variables (`{'params': tree of
+LogicallyPartitioned boxes, other collections...}`), by the strict converters of
+`migrate.convert`; every comparison is made in that form, so that the two sides' leaves line
+up path by path.
+
+Implementations: `parity.engine.modules` (any Linen module and its NNX port) and
+`parity.decoder.sides` (the pipelined decoder twins of a config). A new framework adapter is a
+new pair of implementations; the checks do not change.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+# An array of a program, as `Side.program_shardings` reports it: (sharding, ndim, declared).
+ProgramArray = tuple[Any, int, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One forward+backward of one side, on the host, in the common form.
+
+    `grads` is keyed like the common form's parameters (unboxed); `grad_norm` the global norm
+    computed on device from the (sharded) gradients, as gradient clipping computes it; `state`
+    the non-parameter collections the call updated (batch statistics, caches); `sown` the
+    intermediates the module sowed, by name."""
+
+    loss: Any
+    outputs: Any
+    grads: Any
+    grad_norm: Any = None
+    state: Any = None
+    sown: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainer:
+    """A side's optimizer steps: `step(params, opt_state, batch) -> (params, opt_state,
+    metrics)` with metrics `loss` and `grad_norm`, `evaluate(params, batch) -> loss`, both
+    compiled; `params` and `opt_state` are where both sides start (the same weights)."""
+
+    params: Any
+    opt_state: Any
+    step: Any
+    evaluate: Callable[[Any, Any], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class DrillStage:
+    """One part of the model for the drill-down, run on the input it is given:
+    `apply(x) -> (output, {capture name: value})`. Both sides feed each stage Linen's output
+    of the stage before, so a difference shows in its own stage and nowhere after."""
+
+    name: str
+    apply: Callable[[Any], tuple[Any, dict[str, Any]]]
+    order: Sequence[str] = ()  # capture names in execution order (others sort last)
+    input_from: str | None = None  # the stage whose output feeds this one (default: the last)
+    fields: Callable[[str], dict[str, Any]] = lambda name: {}  # extra record fields per capture
+
+
+class Side(abc.ABC):
+    """The Linen or the NNX half of a pair, as the checks use it."""
+
+    framework: str  # "linen" or "nnx": a label in reports, never branched on by a check
+
+    # ------------------------------------------------------------ weights
+
+    @abc.abstractmethod
+    def own_weights(self) -> Any:
+        """This side's own initialisation, in its native form, placed on the mesh if any."""
+
+    @abc.abstractmethod
+    def to_common(self, weights: Any) -> dict[str, Any]:
+        """Native weights -> the common form (Linen variables, boxed), arrays moved."""
+
+    @abc.abstractmethod
+    def from_common(self, variables: dict[str, Any]) -> Any:
+        """The common form -> native weights, checked strictly against this side's model
+        (paths, shapes, dtypes, logical names); raises `migrate.convert.ConversionError`."""
+
+    @abc.abstractmethod
+    def plain(self, tree: Any) -> Any:
+        """Any tree holding this side's weights (the weights themselves, an optimizer state
+        over them) as plain nested dicts of host arrays, keyed as the common form keys them."""
+
+    # ------------------------------------------------------------ running
+
+    @abc.abstractmethod
+    def run(self, weights: Any) -> Run:
+        """Forward and backward on the pair's inputs, gradients with respect to the weights."""
+
+    @abc.abstractmethod
+    def lowered(self, weights: Any) -> jax.stages.Lowered:
+        """The program the sharding and program checks read (the train step, or the
+        forward+backward), lowered for these weights."""
+
+    def compiled(self, weights: Any) -> jax.stages.Compiled:
+        """`lowered(weights)`, compiled (sides cache it where a check reuses it)."""
+        return self.lowered(weights).compile()
+
+    @abc.abstractmethod
+    def program_shardings(self, compiled: jax.stages.Compiled) -> dict[str, ProgramArray]:
+        """The compiled program's input and output arrays, labelled the same way on both
+        sides (`train step input: params/decoder_norm/scale`): label -> (sharding, ndim, the
+        sharding this side declares the array pinned to, or None). Arrays with no counterpart
+        on the other side (NNX's RNG state) are left out."""
+
+    def jaxpr(self, weights: Any) -> Any:
+        """The traced forward, for program-structure counts; None when the side's program is
+        compared only as HLO (`program` check)."""
+        del weights
+        return None
+
+    def trainer(self, weights: Any) -> Trainer | None:
+        """Optimizer steps starting from `weights`; None when the side cannot train."""
+        return None
+
+    def drill_stages(self, weights: Any) -> list[DrillStage]:
+        """The model cut into parts for the drill-down (default: none)."""
+        return []
