@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 from conftest import CONFIG_DIR
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 import migrate.nnx.layers as nnx_layers
 import migrate.nnx.pipeline as nnx_pipeline
@@ -297,6 +298,22 @@ def train_step_not_pinned(monkeypatch):
     monkeypatch.setattr(nnx_train, "jit_train_step", lambda step, shardings, batch: jax.jit(step))
 
 
+def train_step_not_donated(monkeypatch):
+    """The NNX train step pinned but not donating its state: the same arithmetic, a second
+    train state resident during every step."""
+
+    def jit_train_step(step, state_shardings, batch_sharding):
+        params, opt_state = state_shardings
+        replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
+        return jax.jit(
+            step,
+            in_shardings=(params, opt_state, batch_sharding),
+            out_shardings=(params, opt_state, replicated),
+        )
+
+    monkeypatch.setattr(nnx_train, "jit_train_step", jit_train_step)
+
+
 # bug, config, checks to run, {failing check: text its `where` must contain}[, overrides]
 BUGS = [
     (
@@ -367,6 +384,7 @@ BUGS = [
             "train": "step 0/nnx returned: params/decoder_norm/scale",
         },
     ),
+    (train_step_not_donated, TINY, "compile", {"compile": "alias_bytes"}),
     (init_scale_wrong, TINY, "init,forward", {"init": "mlp/wo/kernel: log std ratio"}),
     (init_family_swapped, TINY, "init,forward", {"init": "logits_dense/kernel: kurtosis"}),
     (
