@@ -146,10 +146,14 @@ def main() -> None:
                 results[side].append(run_side(side, args, cfg, Path(scratch), maxtext_python))
                 print(f"round {round_}: {side} done", file=sys.stderr, flush=True)
 
-    print(f"{cfg.model_name}: {DEVICES} simulated CPU devices, per device; compile time the "
-          f"median of {args.rounds} round(s)\n")
-    print("| side | arguments | temp | outputs | aliased | peak | FLOPs | collectives "
-          f"({', '.join(hlo.COLLECTIVES)}) | compile s |")
+    print(
+        f"{cfg.model_name}: {DEVICES} simulated CPU devices, per device; compile time the "
+        f"median of {args.rounds} round(s)\n"
+    )
+    print(
+        "| side | arguments | temp | outputs | aliased | peak | FLOPs | collectives "
+        f"({', '.join(hlo.COLLECTIVES)}) | compile s |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
     for side in sides:
         first = results[side][0]

@@ -176,7 +176,5 @@ def test_reshards_into_and_out_of_the_pipeline_are_named_constraints(framework):
     pair = DecoderPair(tiny("llama2-tiny"))
     text = pair.lowered(framework).as_text(dialect="hlo", debug_info=True)
     for scope in (axes.INTO_PIPELINE, axes.OUT_OF_PIPELINE):
-        constraints = [
-            line for line in text.splitlines() if scope in line and "Sharding" in line
-        ]
+        constraints = [line for line in text.splitlines() if scope in line and "Sharding" in line]
         assert len(constraints) >= 1, scope
