@@ -35,10 +35,27 @@ BATCH_LENGTH_KV_HEADS_KV = (
     "activation_kv",
 )
 BATCH_LENGTH_MLP = ("activation_batch", "activation_length", "activation_mlp")
-BATCH_LENGTH_VOCAB = ("activation_batch", "activation_length", "activation_vocab")
 STAGE_BATCH_LENGTH_EMBED = ("activation_stage", *BATCH_LENGTH_EMBED)
 MICROBATCH_BATCH_LENGTH_EMBED = (None, *BATCH_LENGTH_EMBED)
 STAGE_MICROBATCH_BATCH_LENGTH_EMBED = ("activation_stage", *MICROBATCH_BATCH_LENGTH_EMBED)
+# The non-pipelined part (embedding, final norm, logits head, loss) runs on a batch of its own
+# name (MaxText's), split over the stage axis too, so that the stages do not all compute it.
+LOGITS_BATCH_LENGTH_EMBED = (
+    "activation_embed_and_logits_batch",
+    "activation_length",
+    "activation_embed",
+)
+LOGITS_BATCH_LENGTH_VOCAB = (
+    "activation_embed_and_logits_batch",
+    "activation_length",
+    "activation_vocab",
+)
+# Named scopes of the reshards between the two batch splits, on their sharding constraints in
+# the lowered program. XLA does not keep these names on the collectives it derives from them:
+# the compile check counts those by where they run (outside the loops, across stages:
+# `parity.hlo.outside_loops`).
+INTO_PIPELINE = "reshard_into_pipeline"
+OUT_OF_PIPELINE = "reshard_out_of_pipeline"
 
 # Remat checkpoint names (PIPELINE.md "Remat").
 ITERATION_INPUT = "iteration_input"

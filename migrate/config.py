@@ -229,12 +229,23 @@ def _violations(cfg: Config) -> list[str]:
         f"{cfg.base_num_kv_heads}: query heads must be a multiple of kv heads (grouped query)",
     )
     tensor = cfg.ici_tensor_parallelism
-    for key in ("base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "vocab_size"):
+    for key in ("base_num_query_heads", "base_num_kv_heads", "base_mlp_dim"):
         need(
             getattr(cfg, key) % tensor == 0,
             f"{key}={getattr(cfg, key)}, ici_tensor_parallelism={tensor}: "
             f"{key} must be divisible by the tensor axis",
         )
+    vocab_axes = _rule_axes(cfg, "vocab")
+    vocab_shards = math.prod(cfg.mesh_shape.get(a, 1) for a in vocab_axes)
+    need(
+        cfg.vocab_size % vocab_shards == 0,
+        f"vocab_size={cfg.vocab_size}, "
+        + ", ".join(f"{a}={cfg.mesh_shape.get(a, 1)}" for a in vocab_axes)
+        + ": the embedding and logits tables shard vocab over "
+        + " x ".join(vocab_axes)
+        + " (logical_axis_rules), so vocab_size must be divisible by that (or map vocab to "
+        + "fewer axes in logical_axis_rules)",
+    )
     need(
         cfg.base_emb_dim % cfg.ici_fsdp_parallelism == 0,
         f"base_emb_dim={cfg.base_emb_dim}, ici_fsdp_parallelism={cfg.ici_fsdp_parallelism}: "
@@ -275,6 +286,16 @@ def _violations(cfg: Config) -> list[str]:
     if cfg.using_pipeline:
         out.extend(_pipeline_violations(cfg))
     return out
+
+
+def _rule_axes(cfg: Config, logical_name: str) -> tuple[str, ...]:
+    """The mesh axes of the first rule for `logical_name` (what Linen's resolver picks when no
+    other name of the tensor holds them), or () when no rule names it."""
+    for rule_name, target in cfg.logical_axis_rules[: bounds.MAX_RULES]:
+        if rule_name == logical_name:
+            found = target if isinstance(target, tuple) else (target,)
+            return tuple(a for a in found if a is not None)
+    return ()
 
 
 def _pipeline_violations(cfg: Config) -> list[str]:

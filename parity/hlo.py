@@ -4,6 +4,7 @@ and a fingerprint of the optimised program."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 from collections import Counter
@@ -63,6 +64,7 @@ _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _EXPLICIT = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _IOTA = r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?"
 _IOTA_GROUPS = re.compile(r"replica_groups=" + _IOTA)
+_SUB_AXIS = re.compile(r"'([^']*)'(?::\((\d+)\)(\d+))?")
 _MESH_GROUPS = re.compile(
     r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}"
 )
@@ -126,21 +128,43 @@ def _mesh_groups(match: re.Match, num_devices: int) -> tuple[tuple[int, ...], ..
         ids = _iota(m.group(1), m.group(1), m.group(2)).reshape(-1)
     else:
         ids = np.array([int(i) for i in device_ids.split(",")])
-    grouped = [g.strip().strip("'") for g in match.group(3).split(",") if g.strip()]
-    if any(g not in names for g in grouped):
-        raise ValueError(f"replica groups over unknown mesh axes {grouped} (mesh {names})")
-    kept = [names.index(n) for n in names if n not in grouped]
-    order = kept + [names.index(g) for g in grouped]
-    size = int(np.prod([sizes[names.index(g)] for g in grouped]))
-    ids = ids.reshape(sizes).transpose(order).reshape(-1, size)
+    # Each grouped entry is an axis, `'stage'`, or a sub-axis, `'stage':(2)2`: of the axis
+    # split major to minor into factors, the `size` ones after the `pre` major ones.
+    grouped = []
+    for entry in (g.strip() for g in match.group(3).split(",") if g.strip()):
+        m = _SUB_AXIS.fullmatch(entry)
+        if m is None or m[1] not in names:
+            raise ValueError(f"replica groups over unknown mesh axes {entry} (mesh {names})")
+        full = sizes[names.index(m[1])]
+        pre, size = (int(m[2]), int(m[3])) if m[2] else (1, full)
+        if full % (pre * size):
+            raise ValueError(f"sub-axis {entry} does not divide mesh axis {m[1]}={full}")
+        grouped.append((m[1], pre, size))
+    # Split every axis at the boundaries its sub-axes name: dims major to minor, each a
+    # (axis, cumulative size before it, size) factor of the row-major device grid.
+    dims: list[tuple[str, int, int]] = []
+    for name, full in zip(names, sizes, strict=True):
+        cuts = {1, full} | {c for n, p, s in grouped if n == name for c in (p, p * s)}
+        for lo, hi in itertools.pairwise(sorted(cuts)):
+            if hi % lo:
+                raise ValueError(f"sub-axes of {name}={full} that do not nest: {sorted(cuts)}")
+            dims.append((name, lo, hi // lo))
+    in_group = [
+        [i for i, (n, lo, f) in enumerate(dims) if n == name and pre <= lo and lo * f <= pre * s]
+        for name, pre, s in grouped
+    ]
+    group_dims = [i for dims_of in in_group for i in dims_of]
+    order = [i for i in range(len(dims)) if i not in group_dims] + group_dims
+    size = int(np.prod([dims[i][2] for i in group_dims]))
+    ids = ids.reshape([f for _, _, f in dims] or [1]).transpose(order).reshape(-1, size)
     return tuple(tuple(int(i) for i in row) for row in ids)
 
 
 def device_groups(line: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
     """The device groups of one collective instruction, in any of the forms XLA prints:
     source-target pairs, explicit groups, iota tiles (`[4,2]<=[2,4]T(1,0)`) or mesh axes
-    (`mesh['stage'=4,'fsdp'=2] {'fsdp'}`). Raises on a form it does not know, so that a
-    count never silently treats a collective as local."""
+    (`mesh['stage'=4,'fsdp'=2] {'fsdp'}`, sub-axes too: `{'stage':(2)2}`). Raises on a form
+    it does not know, so that a count never silently treats a collective as local."""
     if m := _PAIRS.search(line):
         return tuple(tuple(int(i) for i in p.split(",")) for p in re.findall(r"\{([\d,]+)\}", m[1]))
     if m := _MESH_GROUPS.search(line):
@@ -217,6 +241,39 @@ def loops(hlo_text: str) -> list[Loop]:
                 direction = "backward" if "transpose(" in op_name else "forward"
                 found.append(Loop(direction, trip, tuple(collectives_under(body[1], set()))))
                 continue
+            for called in _called(line):
+                visit(called, seen)
+
+    if entry is not None:
+        visit(entry, set())
+    return found
+
+
+def outside_loops(hlo_text: str) -> list[tuple[str, Collective]]:
+    """(direction, collective) for every collective that no while loop issues: the entry
+    computation's and those of the computations it calls, loop bodies excluded. The direction
+    is "backward" when the collective comes from a transpose (autodiff), else "forward"."""
+    computations, entry = _computations(hlo_text)
+    num_devices = int(m[1]) if (m := re.search(r"num_partitions=(\d+)", hlo_text)) else 1
+    found: list[tuple[str, Collective]] = []
+
+    def visit(name: str, seen: set[str]) -> None:
+        if name in seen or name not in computations:
+            return
+        seen.add(name)
+        for line in computations[name]:
+            if re.search(r"\swhile\(", line):
+                continue
+            if m := _INSTRUCTION.search(line):
+                instruction = _NAME_OF.match(line)
+                op_name = m2.group(1) if (m2 := _OP_NAME.search(line)) else ""
+                collective = Collective(
+                    m.group(1),
+                    instruction.group(1) if instruction else "?",
+                    device_groups(line, num_devices),
+                    op_name,
+                )
+                found.append(("backward" if "transpose(" in op_name else "forward", collective))
             for called in _called(line):
                 visit(called, seen)
 

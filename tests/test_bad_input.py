@@ -46,7 +46,9 @@ BAD_VALUES = [
     ),
     (
         "too-many-simulated-devices",
-        [*STAGES_1024, "num_pipeline_repeats=1", "num_pipeline_microbatches=-1"],
+        # vocab_size: the tables shard vocab over the 1024 stages too (a valid config but for
+        # its device count)
+        [*STAGES_1024, "num_pipeline_repeats=1", "num_pipeline_microbatches=-1", "vocab_size=1024"],
         ["needs 2048 devices", "at most 512 simulated CPU devices"],
     ),
     (

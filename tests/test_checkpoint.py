@@ -45,10 +45,11 @@ def setup(name: str = "llama2-tiny"):
 def trained_linen() -> TrainState:
     """Linen weights, optimizer state and step after one AdamW step."""
     cfg, mesh = setup()
-    variables = twins.linen_initial_variables(cfg, mesh)
-    opt_state = optim.make_optimizer(cfg).init(variables["params"])
+    # A copy: the step donates its state, and the initial weights are cached for everyone.
+    params = twins.fresh_copy(twins.linen_initial_variables(cfg, mesh)["params"])
+    opt_state = optim.make_optimizer(cfg).init(params)
     step, _ = twins.linen_train_fns(cfg, mesh)
-    params, opt_state, _ = step(variables["params"], opt_state, synthetic_batch(cfg, mesh))
+    params, opt_state, _ = step(params, opt_state, synthetic_batch(cfg, mesh))
     return TrainState({"params": params}, opt_state, 1)
 
 
@@ -271,8 +272,9 @@ def test_training_resumed_from_a_converted_checkpoint_takes_the_same_step(linen_
     nnx_params, nnx_opt, nnx_metrics = nnx_step(resumed.params, resumed.opt_state, batch)
 
     # The same next step as an uninterrupted run, bit for bit.
-    original = trained_linen()
-    _, _, direct = linen_step(original.params["params"], original.opt_state, batch)
+    original = trained_linen()  # copied: the step donates what it is given
+    params, opt_state = twins.fresh_copy((original.params["params"], original.opt_state))
+    _, _, direct = linen_step(params, opt_state, batch)
     for key in ("loss", "grad_norm"):
         assert np.asarray(nnx_metrics[key]).tobytes() == np.asarray(direct[key]).tobytes()
         assert np.asarray(linen_metrics[key]).tobytes() == np.asarray(direct[key]).tobytes()

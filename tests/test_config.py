@@ -129,6 +129,7 @@ RULES = [
         ["base_num_query_heads=4", "ici_tensor_parallelism=8", "divisible by the tensor axis"],
     ),
     (("base_emb_dim=63",), ["base_emb_dim=63", "ici_fsdp_parallelism=2", "fsdp axis"]),
+    (("vocab_size=254",), ["vocab_size=254", "tensor=1, stage=4", "tensor x stage"]),
     (("per_device_batch_size=0.1",), ["per_device_batch_size=0.1", "positive integer"]),
     (
         ("ici_pipeline_parallelism=1", "ici_data_parallelism=3", "per_device_batch_size=0.5"),

@@ -12,7 +12,7 @@ from conftest import CONFIG_DIR, tiny
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from migrate import sharding
+from migrate import config, memory, sharding
 from parity import cli, hlo
 from parity.decoder import checks as decoder_checks
 from parity.decoder import cost
@@ -33,6 +33,44 @@ def test_compile_check_nnx_costs_what_linen_costs():
         assert by_field[field]["linen"] > 0
     assert by_field["collectives: collective-permute"]["linen"] > 0  # the stage rotation
     assert "per device: linen args" in result.message
+
+
+def test_compile_check_reports_aliased_and_peak_bytes_of_the_donated_train_step():
+    """The train step donates parameters and optimizer state: per device the outputs reuse
+    the arguments' buffers, and the peak is arguments + temp + outputs - aliased, reported
+    under exactly these names for both twins and compared."""
+    result = decoder_checks.compile_cost(session("llama2-tiny"))
+    by_field = {r["tensor"]: r for r in result.details}
+    for twin in ("linen", "nnx"):
+        args, temp, out, alias, peak = (
+            by_field[f][twin]
+            for f in ("argument_bytes", "temp_bytes", "output_bytes", "alias_bytes", "peak_bytes")
+        )
+        cfg = session("llama2-tiny").cfg
+        batch = 2 * 4 * cfg.global_batch_size * cfg.max_target_length // 2  # int32 x2, /fsdp
+        assert alias == args - batch > 0  # every argument but the batch is donated
+        assert 0 < out - alias < 1024  # what is not aliased: the metrics (and tuple tables)
+        assert peak == args + temp + out - alias
+    for field in ("alias_bytes", "peak_bytes"):
+        assert by_field[field]["gated"] and by_field[field]["passed"]
+        assert by_field[field]["ratio"] == 1.0
+    assert "aliased" in result.message and "peak" in result.message
+    # The reshards into and out of the pipeline are counted: the gather into it across stages.
+    outside = {r["tensor"]: r for r in result.details if r["tensor"].startswith("outside")}
+    assert outside["outside the loop forward: all-gather across stages"]["nnx"] >= 1
+    assert all(r["passed"] and r["linen"] == r["nnx"] for r in outside.values())
+
+
+def test_collectives_outside_the_loops_and_in_their_bodies_partition_the_program():
+    """Every collective of the compiled step is either in a pipeline loop's body or outside
+    the loops (`hlo.outside_loops`, where the reshards into and out of the pipeline are
+    counted), never both, never neither; and outside the loops there are both directions."""
+    cfg = tiny("llama2-tiny")
+    compiled = cost.compile_train_step(cfg, sharding.make_mesh(cfg), "nnx")
+    in_loops = sum(len(loop.collectives) for loop in compiled.loops)
+    assert len(compiled.loops) == 2 and in_loops > 0
+    assert in_loops + len(compiled.outside_loops) == sum(compiled.collectives.values())
+    assert {direction for direction, _ in compiled.outside_loops} == {"forward", "backward"}
 
 
 def test_compile_check_arguments_are_sharded_not_replicated():
@@ -135,4 +173,10 @@ def test_7b_compile_check_runs_without_allocating_weights(capsys):
         cli.FLAGS.unparse_flags()
     out = capsys.readouterr().out
     assert status == cli.EXIT_PASS, out
-    assert "linen args 10.51 GiB" in out and "nnx args 10.51 GiB" in out
+    # Weights and both AdamW moments in float32, every one sharded 8 ways (the embedding and
+    # logits tables over stages too: nothing replicated), all of it donated.
+    cfg = config.load_config(CONFIG_DIR / "llama2-7b.yml")
+    state = f"{3 * 4 * memory.parameter_count(cfg) / 8 / 2**30:.2f} GiB"
+    for twin in ("linen", "nnx"):
+        assert f"{twin} args {state} + temp " in out, out
+        assert f"- aliased {state} = peak " in out, out

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import CONFIG_DIR
 from test_cli import REPO, run_in_process
@@ -74,7 +75,15 @@ def test_worker_env_sets_devices_and_import_path(monkeypatch):
 @pytest.mark.slow
 def test_two_processes_give_the_verdicts_and_errors_of_one(tmp_path):
     """2 processes x 4 devices against 1 process x 8: the same program on the same global mesh,
-    so every record (verdict, worst error, every per-leaf error) is bit-identical."""
+    so the verdicts, worst errors and every Linen-against-NNX record are bit-identical.
+
+    One thing may differ: an all-reduce between the processes (gloo) sums in another order than
+    one within a process (measured with a bare psum of float32 [8, 4096] on this mesh: over
+    fsdp, within a process, the same bits; over stage, across the processes, other bits).
+    Process 0 holds stages 0-1 and process 1 stages 2-3, so what is summed over stages, the
+    non-pipelined part's (the loss, and the final norm's and the tables' gradients, their batch
+    split over stages), may round differently; the pipeline's layers, reduced within their
+    stage, may not."""
     one, two = tmp_path / "one.json", tmp_path / "two.json"
     start = time.perf_counter()
     result = launch_parity(CHECKS, "--steps=1", f"--json={two}", "--timeout_s=500")
@@ -88,9 +97,27 @@ def test_two_processes_give_the_verdicts_and_errors_of_one(tmp_path):
     seconds_one = time.perf_counter() - start
     print(f"wall time: 2 processes {seconds_two:.1f}s, 1 process {seconds_one:.1f}s")
     expected, actual = json.loads(one.read_text()), json.loads(two.read_text())
+    assert {k: v for k, v in actual.items() if k != "checks"} == {
+        k: v for k, v in expected.items() if k != "checks"
+    }
     for a, b in zip(actual["checks"], expected["checks"], strict=True):
         assert (a["name"], a["passed"], a["worst"]) == (b["name"], b["passed"], b["worst"])
-    assert actual == expected
+        assert [r["tensor"] for r in a["details"]] == [r["tensor"] for r in b["details"]]
+        if a["worst"]["tolerance"] == 0:  # Linen against NNX: bit-exact in both runs
+            assert a["details"] == b["details"], a["name"]
+        else:  # the pipeline against the reference: within the tier in both runs
+            for record, same in zip(a["details"], b["details"], strict=True):
+                assert record["passed"] and same["passed"], record["tensor"]
+                if "/grads/params/layers/" in record["tensor"]:  # nothing summed over stages
+                    assert record == same
+        for step, same in zip(a["steps"], b["steps"], strict=True):
+            assert step["loss_linen"] == step["loss_nnx"] and step["max_rel"] == 0.0
+            assert (step["step"], step["passed"]) == (same["step"], same["passed"])
+            # The loss adds 4 non-negative per-stage partial sums in another order: at most
+            # 3 roundings apart (measured on llama2-tiny: 1 ulp, 6.0627871 against 6.0627875).
+            ulp = float(np.spacing(np.float32(same["loss_linen"])))
+            assert abs(step["loss_linen"] - same["loss_linen"]) <= 3 * ulp
+        assert len(a["steps"]) == len(b["steps"])
 
 
 @pytest.mark.slow

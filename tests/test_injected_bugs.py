@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 from conftest import CONFIG_DIR
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 import migrate.nnx.layers as nnx_layers
 import migrate.nnx.pipeline as nnx_pipeline
@@ -297,6 +298,22 @@ def train_step_not_pinned(monkeypatch):
     monkeypatch.setattr(nnx_train, "jit_train_step", lambda step, shardings, batch: jax.jit(step))
 
 
+def train_step_not_donated(monkeypatch):
+    """The NNX train step pinned but not donating its state: the same arithmetic, a second
+    train state resident during every step."""
+
+    def jit_train_step(step, state_shardings, batch_sharding):
+        params, opt_state = state_shardings
+        replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
+        return jax.jit(
+            step,
+            in_shardings=(params, opt_state, batch_sharding),
+            out_shardings=(params, opt_state, replicated),
+        )
+
+    monkeypatch.setattr(nnx_train, "jit_train_step", jit_train_step)
+
+
 # bug, config, checks to run, {failing check: text its `where` must contain}[, overrides]
 BUGS = [
     (
@@ -367,6 +384,7 @@ BUGS = [
             "train": "step 0/nnx returned: params/decoder_norm/scale",
         },
     ),
+    (train_step_not_donated, TINY, "compile", {"compile": "alias_bytes"}),
     (init_scale_wrong, TINY, "init,forward", {"init": "mlp/wo/kernel: log std ratio"}),
     (init_family_swapped, TINY, "init,forward", {"init": "logits_dense/kernel: kurtosis"}),
     (
@@ -459,3 +477,32 @@ def test_no_false_alarms_for_seeds_0_to_4(seed, tmp_path):
         "bubbles",
         "train",
     }
+
+
+# Issue 12's kinds on shipped configs other than llama2-tiny: a cheap subset of the matrix that
+# bench/bug_matrix.py runs in full (every kind on every config, docs/configs.md).
+# bug, config, the one check run, the text its `where` must contain
+CROSS_CONFIG_BUGS = [
+    (bubbles_unmasked, "llama2-tiny-delay", "bubbles", "nnx/grads/params/pipeline"),
+    (
+        stage_keys_reused,  # stages stacked around the scanned layers_per_stage axis
+        "llama2-tiny-scan",
+        "init",
+        "pipeline/layers/layers/mlp/wi_0/kernel: distinct stacked slices",
+    ),
+    (init_scale_wrong, "llama2-tiny-bf16", "init", "mlp/wo/kernel: log std ratio"),
+    (mlp_constraint_dropped, "llama2-tiny-tp", "program", "pre-optimisation HLO: only in Linen"),
+]
+
+
+@pytest.mark.parametrize(
+    "bug", CROSS_CONFIG_BUGS, ids=[f"{b[0].__name__}-{b[1]}" for b in CROSS_CONFIG_BUGS]
+)
+def test_issue_12_kinds_are_caught_on_other_configs(bug, monkeypatch, fresh_nnx, tmp_path):
+    inject, name, check, place = bug
+    inject(monkeypatch)
+    status, report = run_cli(tmp_path, str(CONFIG_DIR / f"{name}.yml"), f"--checks={check}")
+    assert status == cli.EXIT_FAIL
+    where = failing(report)
+    assert set(where) == {check}, where
+    assert place in where[check], where[check]

@@ -78,6 +78,20 @@ def test_first_stage_store_and_input_stay_per_stage_row():
             "device_ids=([4,2]T(1,0)) {'axis_2'}",
             ((0, 1), (2, 3), (4, 5), (6, 7)),
         ),
+        # Sub-axes (jax 0.12, llama2-tiny-scan's reshard out of the pipeline): stage split
+        # major to minor into 2 x 2; (1)2 is its major half, (2)2 its minor half.
+        (
+            "replica_groups=mesh['data'=2,'stage'=4,'fsdp'=1,'tensor'=1] {'data','stage':(1)2}",
+            ((0, 2, 4, 6), (1, 3, 5, 7)),
+        ),
+        (
+            "replica_groups=mesh['data'=2,'stage'=4,'fsdp'=1,'tensor'=1] {'stage':(1)2}",
+            ((0, 2), (1, 3), (4, 6), (5, 7)),
+        ),
+        (
+            "replica_groups=mesh['data'=2,'stage'=4,'fsdp'=1,'tensor'=1] {'stage':(2)2}",
+            ((0, 1), (2, 3), (4, 5), (6, 7)),
+        ),
     ],
 )
 def test_device_groups_in_every_printed_form(text, groups):
@@ -88,6 +102,15 @@ def test_device_groups_in_every_printed_form(text, groups):
 def test_device_groups_refuse_an_unknown_form():
     with pytest.raises(ValueError, match="unrecognised device groups"):
         hlo.device_groups("  %x = f32[2] all-reduce(%y), replica_groups=<something new>", 8)
+    for groups, error in (
+        ("{'pipe'}", "unknown mesh axes 'pipe'"),
+        ("{'stage':(4)2}", "does not divide mesh axis stage=4"),
+    ):
+        with pytest.raises(ValueError, match=error):
+            hlo.device_groups(
+                f"  %x = f32[2] all-reduce(%y), replica_groups=mesh['stage'=4,'fsdp'=2] {groups}",
+                8,
+            )
 
 
 def test_mesh_axes_of_a_collective():

@@ -11,7 +11,7 @@ from conftest import SHIPPED_TINY_CONFIGS, tiny
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from migrate import sharding
+from migrate import axes, sharding
 from migrate.linen.decoder import Decoder
 
 
@@ -128,3 +128,53 @@ def test_pipeline_gathers_stage_weights_over_fsdp_only_on_fsdp_x_tensor_meshes()
     assert sharding.stage_weights_need_gathering(cfg)
     for name in ("llama2-tiny", "llama2-tiny-tp", "llama2-7b"):
         assert not sharding.stage_weights_need_gathering(tiny(name))
+
+
+@pytest.mark.parametrize("framework", ["linen", "nnx"])
+@pytest.mark.parametrize("use_pipeline", [None, False], ids=["pipeline", "reference"])
+def test_embedding_logits_and_loss_run_on_the_batch_split_over_stages(framework, use_pipeline):
+    """Outside the pipeline nothing is replicated over stages: the logits (and the loss and
+    the embedding before them) hold B / (data x fsdp x stage) rows per device, a quarter of
+    the pipeline's B / (data x fsdp) on llama2-tiny, in the reference decoder too; and the
+    embedding and logits tables are sharded over stages as well (FSDP)."""
+    from parity.decoder import twins
+
+    cfg = tiny("llama2-tiny")
+    mesh = sharding.make_mesh(cfg)
+    assert sharding.logical_to_spec(axes.LOGITS_BATCH_LENGTH_VOCAB, cfg.logical_axis_rules) == P(
+        ("data", "fsdp", "stage"), None, "tensor"
+    )
+    if framework == "linen":
+        params = twins.linen_initial_variables(cfg, mesh, use_pipeline)["params"]
+        step = twins.linen_step(cfg, mesh, use_pipeline)
+        table = params["token_embedder"]["embedding"].value.sharding
+    else:
+        params = twins.nnx_initial_state(cfg, mesh, use_pipeline)
+        step = twins.nnx_step(cfg, mesh, use_pipeline)
+        table = params["token_embedder"]["embedding"].get_value().sharding
+    assert table.spec == P(("tensor", "stage"), "fsdp")
+    batch = {
+        k: jax.ShapeDtypeStruct(
+            (cfg.global_batch_size, cfg.max_target_length),
+            jnp.int32,
+            sharding=sharding.batch_sharding(cfg, mesh),
+        )
+        for k in ("inputs", "targets")
+    }
+    compiled = step.lower(params, batch).compile()
+    logits_sharding = compiled.output_shardings[0][1]
+    rows = logits_sharding.shard_shape((cfg.global_batch_size, 1, cfg.vocab_size))[0]
+    assert rows == cfg.global_batch_size // 8  # data 1 x fsdp 2 x stage 4
+
+
+@pytest.mark.parametrize("framework", ["linen", "nnx"])
+def test_reshards_into_and_out_of_the_pipeline_are_named_constraints(framework):
+    """Both reshards are explicit sharding constraints under their own names, in the program
+    each twin lowers (the compile check counts the collectives across stages around them)."""
+    from parity.decoder.session import DecoderPair
+
+    pair = DecoderPair(tiny("llama2-tiny"))
+    text = pair.lowered(framework).as_text(dialect="hlo", debug_info=True)
+    for scope in (axes.INTO_PIPELINE, axes.OUT_OF_PIPELINE):
+        constraints = [line for line in text.splitlines() if scope in line and "Sharding" in line]
+        assert len(constraints) >= 1, scope

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -55,14 +56,13 @@ def test_pinned_train_step_keeps_the_declared_shardings_step_after_step(framewor
     pinned step returns exactly the declared shardings, so any number of steps runs."""
     s = session("llama2-tiny-tp")
     if framework == "linen":
-        params = s.linen_variables["params"]
         step, _ = twins.linen_train_fns(s.cfg, s.mesh)
         declared = twins.linen_train_shardings(s.cfg, s.mesh)
     else:
-        params = twins.linen_to_nnx_params(s.cfg, s.mesh, s.linen_variables)
         step, _ = twins.nnx_train_fns(s.cfg, s.mesh)
         declared = twins.nnx_train_shardings(s.cfg, s.mesh)
-    opt_state = optim.make_optimizer(s.cfg).init(params)
+    trainer = s.side(framework).trainer(s.weights(framework, "linen"))
+    params, opt_state = trainer.params, trainer.opt_state  # copies: the step donates them
     for i in range(3):
         params, opt_state, metrics = step(params, opt_state, synthetic_batch(s.cfg, s.mesh, i))
         for array, expected in zip(
@@ -70,3 +70,60 @@ def test_pinned_train_step_keeps_the_declared_shardings_step_after_step(framewor
         ):
             assert array.sharding.is_equivalent_to(expected, array.ndim)
     assert float(metrics["grad_norm"]) > 0
+
+
+@pytest.mark.parametrize("framework", ["linen", "nnx"])
+def test_train_step_donates_the_state_and_the_session_keeps_its_weights(framework):
+    """Parameters and optimizer state go into the step and its outputs take their buffers
+    (aliased as much as the state weighs); the pair's own weights, which every other check
+    reads, are never the ones donated."""
+    s = session("llama2-tiny-tp")
+    trainer = s.side(framework).trainer(s.weights(framework, "linen"))
+    params, opt_state, step = trainer.params, trainer.opt_state, trainer.step
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves((params, opt_state)))
+    per_device_state = sum(
+        shard.data.nbytes
+        for x in jax.tree.leaves((params, opt_state))
+        for shard in x.addressable_shards
+        if shard.device == jax.devices()[0]
+    )
+    assert step.memory_analysis().alias_size_in_bytes == per_device_state > 0
+    new_params, new_opt_state, _ = step(params, opt_state, synthetic_batch(s.cfg, s.mesh))
+    assert all(x.is_deleted() for x in jax.tree.leaves((params, opt_state)))
+    assert not any(x.is_deleted() for x in jax.tree.leaves((new_params, new_opt_state)))
+    assert sum(x.nbytes for x in jax.tree.leaves((new_params, new_opt_state))) == state_bytes
+    for weights in (s.linen_variables, s.weights(framework, "linen")):
+        assert not any(x.is_deleted() for x in jax.tree.leaves(weights))
+    again = s.side(framework).trainer(s.weights(framework, "linen"))  # a fresh copy each time
+    assert not any(x.is_deleted() for x in jax.tree.leaves((again.params, again.opt_state)))
+
+
+def test_an_evaluation_that_consumes_the_weights_fails_train_there_not_the_run(monkeypatch):
+    """The train check reads the weights back after evaluating them: an evaluation that
+    consumed (donated) them fails `train` there, naming them, and nothing is stepped; the run
+    does not crash on the deleted arrays."""
+    from parity.decoder import sides
+    from parity.engine import checks as engine_checks
+
+    own_trainer = sides.NNXDecoderSide.trainer
+
+    def consuming_trainer(self, weights):
+        trainer = own_trainer(self, weights)  # a copy of the pair's weights: those stay
+
+        def evaluate(params, batch):
+            loss = jax.block_until_ready(trainer.evaluate(params, batch))
+            for array in jax.tree.leaves(params):
+                array.delete()
+            return loss
+
+        return dataclasses.replace(trainer, evaluate=evaluate)
+
+    monkeypatch.setattr(sides.NNXDecoderSide, "trainer", consuming_trainer)
+    result = engine_checks.train(session("llama2-tiny-tp"), steps=2)
+    assert not result.passed and result.where.startswith("eval-before/nnx-params/")
+    consumed = [r for r in result.details if not r["passed"]]
+    assert len(consumed) == len(jax.tree.leaves(session("llama2-tiny-tp").nnx_params))
+    assert all(r["tensor"].startswith("eval-before/nnx-params/") for r in consumed)
+    assert all("consumed" in r["note"] for r in consumed)
+    assert not result.steps  # nothing left to step
+    assert not any(r["tensor"].startswith("eval-after") for r in result.details)

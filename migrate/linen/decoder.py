@@ -30,11 +30,21 @@ class Decoder(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg, rules = self.config, self.config.logical_axis_rules
         x = Embed(cfg, name="token_embedder")(tokens)
-        x = nn.with_logical_constraint(x, axes.BATCH_LENGTH_EMBED, rules=rules, mesh=self.mesh)
+        x = nn.with_logical_constraint(
+            x, axes.LOGITS_BATCH_LENGTH_EMBED, rules=rules, mesh=self.mesh
+        )
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         pipelined = cfg.using_pipeline if self.use_pipeline is None else self.use_pipeline
         if pipelined:
+            with jax.named_scope(axes.INTO_PIPELINE):
+                x = nn.with_logical_constraint(
+                    x, axes.BATCH_LENGTH_EMBED, rules=rules, mesh=self.mesh
+                )
             x = Pipeline(cfg, self.mesh, self.bubble_fill, name="pipeline")(x, positions)
+            with jax.named_scope(axes.OUT_OF_PIPELINE):
+                x = nn.with_logical_constraint(
+                    x, axes.LOGITS_BATCH_LENGTH_EMBED, rules=rules, mesh=self.mesh
+                )
         else:
             layer_cls = DecoderLayer
             policy = numerics.remat_policy(cfg)
@@ -48,7 +58,7 @@ class Decoder(nn.Module):
         )(x)
         logits = logits.astype(jnp.float32)
         return nn.with_logical_constraint(
-            logits, axes.BATCH_LENGTH_VOCAB, rules=rules, mesh=self.mesh
+            logits, axes.LOGITS_BATCH_LENGTH_VOCAB, rules=rules, mesh=self.mesh
         )
 
 

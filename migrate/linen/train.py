@@ -79,13 +79,19 @@ def jit_train_step(
     train_step: Callable, state_shardings: tuple[Any, Any], batch_sharding: NamedSharding
 ) -> Callable:
     """`train_step` jitted with parameters and optimizer state pinned, in and out, to
-    `state_shardings`, the batch to `batch_sharding`, and the metrics replicated."""
+    `state_shardings`, the batch to `batch_sharding`, and the metrics replicated.
+
+    Parameters and optimizer state are donated: the new state is written into the old one's
+    buffers, so a step holds one train state, not two. The arrays passed in are deleted by the
+    call; keep a copy (`jnp.copy`) of any that are needed afterwards.
+    """
     param_shardings, opt_state_shardings = state_shardings
     replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
     return jax.jit(
         train_step,
         in_shardings=(param_shardings, opt_state_shardings, batch_sharding),
         out_shardings=(param_shardings, opt_state_shardings, replicated),
+        donate_argnums=(0, 1),
     )
 
 

@@ -53,16 +53,20 @@ class Decoder(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg, rules = self.config, self.config.logical_axis_rules
         x = self.token_embedder(tokens)
-        x = sharding.constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)
+        x = sharding.constrain(x, axes.LOGITS_BATCH_LENGTH_EMBED, self.mesh, rules)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         if self.pipelined:
+            with jax.named_scope(axes.INTO_PIPELINE):
+                x = sharding.constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)
             x = self.pipeline(x, positions)
+            with jax.named_scope(axes.OUT_OF_PIPELINE):
+                x = sharding.constrain(x, axes.LOGITS_BATCH_LENGTH_EMBED, self.mesh, rules)
         else:
             x = scan_layers(self.layers, x, positions, numerics.remat_policy(cfg))
         x = self.decoder_norm(x)
         logits = self.logits_dense(x)
         logits = logits.astype(jnp.float32)
-        return sharding.constrain(logits, axes.BATCH_LENGTH_VOCAB, self.mesh, rules)
+        return sharding.constrain(logits, axes.LOGITS_BATCH_LENGTH_VOCAB, self.mesh, rules)
 
 
 def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:

@@ -44,6 +44,16 @@ class CompiledCost:
     compile_seconds: float
     program: str  # hlo.program_fingerprint of the optimised module
     loops: tuple[hlo.Loop, ...] = ()  # outermost while loops, with their bodies' collectives
+    alias_bytes: int = 0  # argument bytes whose buffers the outputs reuse (donated state)
+    # (direction, collective) of everything outside the loops: among them, the reshards into
+    # and out of the pipeline (`axes.INTO_PIPELINE`, `axes.OUT_OF_PIPELINE`)
+    outside_loops: tuple[tuple[str, hlo.Collective], ...] = ()
+
+    @property
+    def peak_bytes(self) -> int:
+        """What the step needs resident per device: its arguments, temporaries and outputs,
+        less the outputs written into donated argument buffers."""
+        return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
 
     @classmethod
     def of(cls, compiled, compile_seconds: float) -> CompiledCost:
@@ -62,6 +72,8 @@ class CompiledCost:
             compile_seconds=compile_seconds,
             program=hlo.program_fingerprint(text),
             loops=tuple(hlo.loops(text)),
+            alias_bytes=int(memory.alias_size_in_bytes),
+            outside_loops=tuple(hlo.outside_loops(text)),
         )
 
 
@@ -267,6 +279,19 @@ def loop_body_minimum(cfg: Config) -> dict[str, dict[str, int]]:
         return {}
     rotation = {kind: 0 for kind in hlo.COLLECTIVES} | {"collective-permute": 1}
     return {direction: dict(rotation) for direction in DIRECTIONS}
+
+
+def outside_loop_counts(cost: CompiledCost, mesh_shape: dict[str, int]) -> dict[str, dict]:
+    """Collectives outside the loops that cross the stage axis, per direction and kind. With
+    the embedding, final norm, logits and loss split over stages, these are the reshards into
+    the pipeline (a gather over stages) and out of it (from stage 0's rows to every stage),
+    their transposes, the pipeline input's gradient leaving stage 0, and the tables' FSDP
+    gathers and gradient reductions over stages."""
+    counts = {d: dict.fromkeys(hlo.COLLECTIVES, 0) for d in DIRECTIONS}
+    for direction, collective in cost.outside_loops:
+        if "stage" in collective.mesh_axes(mesh_shape):
+            counts[direction][collective.kind] += 1
+    return counts
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,12 +72,18 @@ class DecoderSide(Side):
         if id(weights) not in self._programs:
             params = self.step_params(weights)
             step, _ = self.train_fns()
+            # A real optimizer state, not `jax.eval_shape`'s (which carries no shardings): a
+            # step jitted without pinned shardings (tests/test_injected_bugs.py) must be
+            # compiled for the arguments the train check will pass it.
             lowered = step.lower(params, self.tx.init(params), self.batch)
             self._programs[id(weights)] = (weights, lowered, None)  # holds weights: ids stay
         return self._programs[id(weights)]
 
     def trainer(self, weights: Any) -> Trainer:
-        params = self.step_params(weights)
+        """The train step donates its state: every call starts from a fresh copy of the
+        weights (and a new optimizer state), so that the pair's own weights, which every other
+        check reads, are never the ones consumed."""
+        params = twins.fresh_copy(self.step_params(weights))
         _, evaluate = self.train_fns()
         return Trainer(params, self.tx.init(params), self.compiled(weights), evaluate)
 

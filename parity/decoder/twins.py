@@ -31,6 +31,13 @@ from parity import distributed
 from parity.engine.side import Run
 
 
+def fresh_copy(tree: Any) -> Any:
+    """`tree` with every array copied into new buffers of the same sharding: what a train
+    step, which donates its state, may consume while the original stays valid (the cached
+    initial weights, a state compared after the step)."""
+    return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
+
+
 def schedule_free(cfg: Config) -> Config:
     """`cfg` with the pipeline-schedule keys at their defaults.
 

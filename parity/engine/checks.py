@@ -157,6 +157,18 @@ def _unchanged(prefix: str, before: Any, after: Any) -> list[dict]:
     return exact_records(prefix, after, before)
 
 
+def _consumed(prefix: str, native: Any) -> list[dict]:
+    """A failing record for every array of `native` that a call deleted (donated): such a
+    state cannot even be read back, let alone compared or stepped."""
+    note = "deleted: the evaluation consumed (donated) it"
+    return [
+        {"tensor": f"{prefix}/{compare.path_str(path)}", "passed": False, "max_rel": math.inf}
+        | {"note": note}
+        for path, x in jax.tree_util.tree_flatten_with_path(native)[0]
+        if isinstance(x, jax.Array) and x.is_deleted()
+    ]
+
+
 def _returned_state_records(prefix: str, side_plain, compiled_step, params, opt_state) -> list:
     """Each returned parameter and optimizer-state array against the sharding the compiled
     step takes it with; only the mismatches are recorded."""
@@ -201,21 +213,25 @@ def train(
     records: list[dict] = []
     per_step: list[dict] = []
 
-    def evaluate(label: str) -> None:
-        before = (linen.plain(linen_params), nnx.plain(nnx_params))
+    def evaluate(label: str) -> bool:
+        """Both evaluations, which must leave no state behind and must not consume (donate)
+        the parameters; False when they did (nothing left to step)."""
+        before = (linen.plain(linen_params), nnx.plain(nnx_params))  # host copies
         linen_loss = linen_t.evaluate(linen_params, eval_batch)
         nnx_loss = nnx_t.evaluate(nnx_params, eval_batch)
         records.extend(tree_records(f"eval-{label}/loss", nnx_loss, linen_loss, tol))
-        # Evaluation must leave no state behind on either side.
-        records.extend(
-            _unchanged(f"eval-{label}/linen-params", before[0], linen.plain(linen_params))
-        )
-        records.extend(_unchanged(f"eval-{label}/nnx-params", before[1], nnx.plain(nnx_params)))
+        usable = True
+        for side, params, kept in ((linen, linen_params, before[0]), (nnx, nnx_params, before[1])):
+            prefix = f"eval-{label}/{side.framework}-params"
+            consumed = _consumed(prefix, params)
+            records.extend(consumed or _unchanged(prefix, kept, side.plain(params)))
+            usable = usable and not consumed
+        return usable
 
     records.extend(tree_records("init/opt_state", nnx.plain(nnx_opt), linen.plain(linen_opt), tol))
-    evaluate("before")
+    usable = evaluate("before")
     losses = []
-    for step in range(steps):
+    for step in range(steps if usable else 0):
         batch = pair.batch(step)
         linen_params, linen_opt, linen_metrics = linen_t.step(linen_params, linen_opt, batch)
         nnx_params, nnx_opt, nnx_metrics = nnx_t.step(nnx_params, nnx_opt, batch)
@@ -254,9 +270,10 @@ def train(
         if not resumable:
             break
     else:
-        evaluate("after")
+        if usable:
+            evaluate("after")
     problems = []
-    if steps and not losses[-1] < losses[0] + 1.0:
+    if losses and not losses[-1] < losses[0] + 1.0:
         problems.append(f"training diverged: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     result = verdict("train", records, tol, problems)
     return dataclasses.replace(result, steps=tuple(per_step))
