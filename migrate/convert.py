@@ -29,6 +29,9 @@ LINEN_TO_NNX_RENAMES: Mapping[Path, Path] = {}
 
 # NNX state that has no Linen counterpart: filtered explicitly, by type, never silently.
 NNX_ONLY_STATE = (nnx.RngState,)
+# Linen collection -> NNX Variable type, as the twins use them: parameters only. A module pair
+# with other state maps more (`parity.engine.calls.DEFAULT_COLLECTIONS`).
+PARAMS_ONLY: Mapping[str, type] = {"params": nnx.Param}
 
 
 class ConversionError(ValueError):
@@ -118,21 +121,54 @@ def _path_str(path: Path) -> str:
     return "/".join(path)
 
 
-def nnx_flat_params(state: nnx.State) -> dict[Path, nnx.Variable]:
-    """Path -> Param of an NNX state; RNG state dropped by type; anything else refused."""
-    params: dict[Path, nnx.Variable] = {}
+def _keyed_str(key: Path) -> str:
+    """A (collection, *path) key as messages show it: parameters by path alone, other
+    collections prefixed (`batch_stats/bn/mean`)."""
+    return _path_str(key[1:] if key[0] == "params" else key)
+
+
+def collection_of(variable_type: type, collections: Mapping[str, type] = PARAMS_ONLY) -> str | None:
+    """The Linen collection an NNX Variable type maps to: its own entry, else the entry of
+    its nearest mapped base class (a `Param` subclass is a parameter); None when unmapped."""
+    for name, mapped in collections.items():
+        if variable_type is mapped:
+            return name
+    for cls in variable_type.__mro__[1:]:
+        for name, mapped in collections.items():
+            if cls is mapped:
+                return name
+    return None
+
+
+def _counterpart(collections: Mapping[str, type]) -> str:
+    return " or ".join(repr(c) for c in collections)
+
+
+def nnx_flat_variables(
+    state: nnx.State, collections: Mapping[str, type] = PARAMS_ONLY
+) -> dict[Path, nnx.Variable]:
+    """(collection, *path) -> Variable of an NNX state, for every Variable type `collections`
+    maps; RNG state dropped by type; anything else refused."""
+    flat: dict[Path, nnx.Variable] = {}
     unknown = []
     for path, variable in nnx.to_flat_state(state):
         path = tuple(str(k) for k in path)
-        if isinstance(variable, nnx.Param):
-            params[path] = variable
+        collection = collection_of(type(variable), collections)
+        if collection is not None and not isinstance(variable, NNX_ONLY_STATE):
+            flat[(collection, *path)] = variable
         elif not isinstance(variable, NNX_ONLY_STATE):
             unknown.append(
-                f"{_path_str(path)}: {type(variable).__name__} has no Linen 'params' counterpart"
+                f"{_path_str(path)}: {type(variable).__name__} has no Linen "
+                f"{_counterpart(collections)} counterpart"
             )
     if unknown:
         raise ConversionError("NNX state", unknown)
-    return params
+    return flat
+
+
+def nnx_flat_params(state: nnx.State) -> dict[Path, nnx.Variable]:
+    """Path -> Param of an NNX state; RNG state dropped by type; anything else refused."""
+    return {key[1:]: v for key, v in nnx_flat_variables(state).items()}
 
 
 def nnx_names(variable: nnx.Variable) -> Names | None:
@@ -140,9 +176,9 @@ def nnx_names(variable: nnx.Variable) -> Names | None:
     return None if names is None else tuple(names)
 
 
-def _check_pair(path: Path, linen_value, linen_names, nnx_value, nnx_names_) -> list[str]:
+def _check_pair(key: Path, linen_value, linen_names, nnx_value, nnx_names_) -> list[str]:
     problems = []
-    where = _path_str(path)
+    where = _keyed_str(key)
     if tuple(linen_value.shape) != tuple(nnx_value.shape):
         problems.append(
             f"{where}: shape differs: Linen {tuple(linen_value.shape)} vs NNX "
@@ -162,27 +198,34 @@ def _match(
     linen_flat: dict[Path, tuple[Any, Names | None]],
     nnx_flat: dict[Path, tuple[Any, Names | None]],
 ) -> None:
-    """Raise one ConversionError listing every missing, extra and mismatching path."""
+    """Raise one ConversionError listing every missing, extra and mismatching path (keys
+    are (collection, *path))."""
     problems = []
-    for path in sorted(set(nnx_flat) - set(linen_flat)):
+    for key in sorted(set(nnx_flat) - set(linen_flat)):
         problems.append(
-            f"{_path_str(path)}: missing on the Linen side (NNX: {_describe(*nnx_flat[path])})"
+            f"{_keyed_str(key)}: missing on the Linen side (NNX: {_describe(*nnx_flat[key])})"
         )
-    for path in sorted(set(linen_flat) - set(nnx_flat)):
+    for key in sorted(set(linen_flat) - set(nnx_flat)):
         problems.append(
-            f"{_path_str(path)}: missing on the NNX side (Linen: {_describe(*linen_flat[path])})"
+            f"{_keyed_str(key)}: missing on the NNX side (Linen: {_describe(*linen_flat[key])})"
         )
-    for path in sorted(set(linen_flat) & set(nnx_flat)):
-        problems += _check_pair(path, *linen_flat[path], *nnx_flat[path])
+    for key in sorted(set(linen_flat) & set(nnx_flat)):
+        problems += _check_pair(key, *linen_flat[key], *nnx_flat[key])
     if problems:
         raise ConversionError(direction, problems)
 
 
-def _linen_flat(params: Mapping[str, Any], renames: Mapping[Path, Path]):
-    arrays, names = strip_boxes(params)
-    flat_arrays = flatten_dict(arrays)
-    flat_names = flatten_dict(names)
-    return {_rename(p, renames): (v, flat_names[p]) for p, v in flat_arrays.items()}
+def _linen_flat(
+    variables: Mapping[str, Any], renames: Mapping[Path, Path], collections: Any = ("params",)
+) -> dict[Path, tuple[Any, Names | None]]:
+    """(collection, *NNX path) -> (array, logical names) of the given Linen collections."""
+    flat = {}
+    for collection in collections:
+        arrays, names = strip_boxes(variables.get(collection, {}))
+        flat_names = flatten_dict(names)
+        for path, value in flatten_dict(arrays).items():
+            flat[(collection, *_rename(path, renames))] = (value, flat_names[path])
+    return flat
 
 
 # ------------------------------------------------------------------ Linen <-> NNX
@@ -192,59 +235,75 @@ def linen_to_nnx(
     variables: Mapping[str, Any],
     target: nnx.Module | nnx.State,
     renames: Mapping[Path, Path] = LINEN_TO_NNX_RENAMES,
+    collections: Mapping[str, type] = PARAMS_ONLY,
 ) -> nnx.State:
-    """Linen `{'params': ...}` -> a new NNX State shaped like `target`'s parameters.
+    """Linen variables -> a new NNX State shaped like `target`'s mapped variables.
 
     `target` is an NNX model or its (possibly abstract, from `nnx.eval_shape`) state; it is not
-    modified. Every NNX Param must be matched by a Linen leaf of the same shape, dtype and
-    logical names; the arrays are moved, not copied.
+    modified. `collections` maps each Linen collection to its NNX Variable type (default: only
+    `params` <-> `nnx.Param`). Every mapped NNX Variable must be matched by a Linen leaf of the
+    same shape, dtype and logical names; the arrays are moved, not copied.
     """
     if "params" not in variables:
         raise ConversionError(
             "Linen -> NNX", [f"no 'params' collection (found {sorted(variables)})"]
         )
-    extra_collections = sorted(set(variables) - {"params"})
+    extra_collections = sorted(set(variables) - set(collections))
     if extra_collections:
         raise ConversionError(
             "Linen -> NNX", [f"collection {c!r} has no NNX counterpart" for c in extra_collections]
         )
     state = nnx.state(target) if isinstance(target, nnx.Module) else target
-    nnx_params = nnx_flat_params(state)
-    linen_flat = _linen_flat(variables["params"], renames)
-    _match("Linen -> NNX", linen_flat, {p: (v, nnx_names(v)) for p, v in nnx_params.items()})
+    nnx_flat = nnx_flat_variables(state, collections)
+    linen_flat = _linen_flat(variables, renames, collections)
+    _match("Linen -> NNX", linen_flat, {k: (v, nnx_names(v)) for k, v in nnx_flat.items()})
     with nnx.use_eager_sharding(False):
-        return nnx.from_flat_state({p: v.replace(linen_flat[p][0]) for p, v in nnx_params.items()})
+        return nnx.from_flat_state(
+            {k[1:]: v.replace(linen_flat[k][0]) for k, v in nnx_flat.items()}
+        )
 
 
 def nnx_to_linen(
     state: nnx.Module | nnx.State,
     target: Mapping[str, Any] | None = None,
     renames: Mapping[Path, Path] = LINEN_TO_NNX_RENAMES,
+    collections: Mapping[str, type] = PARAMS_ONLY,
 ) -> dict[str, Any]:
-    """NNX parameters -> Linen `{'params': ...}` with `LogicallyPartitioned` boxes restored.
+    """NNX variables -> Linen `{'params': ..., other collections}` with `LogicallyPartitioned`
+    boxes restored (names from each Variable's `out_sharding`).
 
-    Names come from each Param's `out_sharding`. With `target` (Linen variables, possibly
-    abstract from `jax.eval_shape(model.init, ...)`) every leaf is checked against it.
+    `collections` maps Linen collections to NNX Variable types (default: `params` only); the
+    result always has `params` and every other collection that has a variable. With `target`
+    (Linen variables, possibly abstract from `jax.eval_shape(model.init, ...)`) every leaf of
+    every mapped collection is checked against it.
     """
     state = nnx.state(state) if isinstance(state, nnx.Module) else state
     inverse = _inverse(renames)
-    nnx_params = nnx_flat_params(state)
-    flat = {_rename(p, inverse): (v.get_value(), nnx_names(v)) for p, v in nnx_params.items()}
+    flat = {
+        (k[0], *_rename(k[1:], inverse)): (v.get_value(), nnx_names(v))
+        for k, v in nnx_flat_variables(state, collections).items()
+    }
     if target is not None:
-        linen_flat = _linen_flat(target["params"], {})
-        _match("NNX -> Linen", linen_flat, flat)
-    arrays = unflatten_dict({p: v for p, (v, _) in flat.items()})
-    names = unflatten_dict({p: n for p, (_, n) in flat.items()})
-    return {"params": restore_boxes(arrays, names)}
+        _match("NNX -> Linen", _linen_flat(target, {}, collections), flat)
+    out: dict[str, Any] = {"params": {}}
+    for collection in collections:
+        part = {k[1:]: v for k, v in flat.items() if k[0] == collection}
+        if part or collection == "params":
+            arrays = unflatten_dict({p: v for p, (v, _) in part.items()})
+            names = unflatten_dict({p: n for p, (_, n) in part.items()})
+            out[collection] = restore_boxes(arrays, names)
+    return out
 
 
 def check_linen(
     variables: Mapping[str, Any], target: Mapping[str, Any], direction: str = "NNX -> Linen"
 ) -> dict[str, Any]:
-    """`variables` (a Linen `{'params': ...}` tree, boxed) when every parameter matches
-    `target`'s (possibly abstract, from `jax.eval_shape(model.init, ...)`) in path, shape,
-    dtype and logical names; otherwise one ConversionError listing every mismatch."""
-    _match(direction, _linen_flat(target["params"], {}), _linen_flat(variables["params"], {}))
+    """`variables` (Linen variables, boxed) when every leaf of every collection of `target`
+    (possibly abstract, from `jax.eval_shape(model.init, ...)`) is matched in path, shape,
+    dtype and logical names, and `variables` has nothing more; otherwise one ConversionError
+    listing every mismatch."""
+    collections = sorted(set(target) | set(variables))
+    _match(direction, _linen_flat(target, {}, collections), _linen_flat(variables, {}, collections))
     return dict(variables)
 
 
@@ -305,11 +364,13 @@ def nnx_reference_to_pipeline(state: nnx.State, cfg: Config) -> nnx.State:
 
 def linen_to_nnx_unchecked(variables: Mapping[str, Any]) -> nnx.State:
     """Linen variables -> NNX State of Params built from the boxes alone (no target model)."""
-    linen_flat = _linen_flat(variables["params"], LINEN_TO_NNX_RENAMES)
+    linen_flat = _linen_flat(variables, LINEN_TO_NNX_RENAMES)
     with nnx.use_eager_sharding(False):
         return nnx.from_flat_state(
             {
-                p: nnx.Param(value, out_sharding=names) if names is not None else nnx.Param(value)
-                for p, (value, names) in linen_flat.items()
+                k[1:]: nnx.Param(value, out_sharding=names)
+                if names is not None
+                else nnx.Param(value)
+                for k, (value, names) in linen_flat.items()
             }
         )

@@ -113,10 +113,15 @@ class TreeMismatch(ValueError):
     """The twins' trees differ in structure or shape: a parity failure, not a crash."""
 
 
-def leaf_diff(path: str, actual: Any, expected: Any) -> LeafDiff:
+def leaf_diff(
+    path: str, actual: Any, expected: Any, labels: tuple[str, str] | None = None
+) -> LeafDiff:
     a, b = np.asarray(to_host(actual)), np.asarray(to_host(expected))
     if a.shape != b.shape:
-        raise TreeMismatch(f"{path}: shapes differ: {a.shape} vs {b.shape}")
+        first, second = labels or ("", "")
+        raise TreeMismatch(
+            f"{path}: shapes differ: {first} {a.shape} vs {second} {b.shape}".replace("  ", " ")
+        )
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     finite = np.isfinite(a64) & np.isfinite(b64)
     diff = np.abs(a64 - b64)[finite]
@@ -137,13 +142,30 @@ def leaf_diff(path: str, actual: Any, expected: Any) -> LeafDiff:
     )
 
 
-def compare_trees(actual: Any, expected: Any) -> list[LeafDiff]:
-    """One LeafDiff per leaf; the two trees must have the same structure."""
+def compare_trees(
+    actual: Any, expected: Any, labels: tuple[str, str] | None = None
+) -> list[LeafDiff]:
+    """One LeafDiff per leaf; the two trees must have the same structure. `labels` name the
+    two sides in a mismatch's message (`('NNX', 'Linen')`)."""
     flat_a, tree_a = jax.tree_util.tree_flatten_with_path(actual)
     flat_b, tree_b = jax.tree_util.tree_flatten_with_path(expected)
     if tree_a != tree_b:
-        raise TreeMismatch(f"tree structures differ:\n  {tree_a}\n  {tree_b}")
-    return [leaf_diff(path_str(p), a, b) for (p, a), (_, b) in zip(flat_a, flat_b, strict=True)]
+        first, second = labels or ("actual", "expected")
+        paths_a = {path_str(p) for p, _ in flat_a}
+        paths_b = {path_str(p) for p, _ in flat_b}
+        only = [
+            f"only in {label}: {sorted(paths)[:10]}"
+            for label, paths in ((first, paths_a - paths_b), (second, paths_b - paths_a))
+            if paths
+        ]
+        raise TreeMismatch(
+            "tree structures differ: "
+            + ("; ".join(only) if only else "same paths, different containers")
+            + f"\n  {first}: {tree_a}\n  {second}: {tree_b}"
+        )
+    return [
+        leaf_diff(path_str(p), a, b, labels) for (p, a), (_, b) in zip(flat_a, flat_b, strict=True)
+    ]
 
 
 def worst(diffs: list[LeafDiff]) -> LeafDiff:

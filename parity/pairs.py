@@ -14,6 +14,14 @@ The second front end of the engine (`parity CONFIG` is the first): the same chec
 Weights flow both ways: the Linen module's weights are moved into the NNX module's structure
 (`linen-init`), and the NNX module's own weights into Linen's (`nnx-init`); each check runs on
 both. Neither module nor any input tree is modified.
+
+Modules are called as `Call`s say (keyword arguments, arguments for one side only, NNX mode
+attributes, randomness), in order, the state each call updates carried into the next; every
+collection (`batch_stats`, `cache`, your own through `collections=`) is moved with the weights
+and compared after each call, and so is every sown value:
+
+    >>> train = Call((x,), linen={"train": True}, nnx_attributes={"deterministic": False})
+    >>> compare_modules(LinenBlock(), NNXBlock(rngs=nnx.Rngs(0)), [train, evaluate])
 """
 
 from __future__ import annotations
@@ -27,13 +35,17 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from migrate.config import Rules
-from parity import compare, report
+from migrate.errors import EXIT_PASS
+from parity import compare, pair_args, report
 from parity.engine import checks as engine_checks
-from parity.engine import programs
+from parity.engine import programs, randomness
+from parity.engine.calls import DEFAULT_COLLECTIONS, Call, Randomness, named
 from parity.engine.modules import LinenModuleSide, LossFn, NNXModuleSide, mean_square_loss
-from parity.engine.pair import Pair
+from parity.engine.pair import Pair, vacuity_problems
 from parity.engine.programs import PROGRAM_PRIMITIVES, count_primitives
-from parity.engine.result import CheckResult, errored
+from parity.engine.result import EXIT_STATUS, CheckResult, errored, skipped
+from parity.engine.side import Run
+from parity.pair_args import PairArgumentError
 
 CHECKS = ("roundtrip", "forward", "grads", "sharding")  # the default set
 # Every check a module pair can run (`checks=`), in the order they are given.
@@ -46,7 +58,11 @@ AVAILABLE = {
     "program": programs.program,
     "train": engine_checks.train,
     "layers": engine_checks.layers,
+    "random": randomness.random,
 }
+# Checks that run the compared calls: skipped when every call is stochastic without aligned
+# keys (the `random` check compares those).
+RUNS_CALLS = frozenset({"forward", "grads", "sharding", "program", "train", "layers"})
 MAX_REPORTED = report.MAX_LISTED  # failing records listed per check by `format_report`
 ROUNDTRIP_NOTE = "weights moved both ways: bit-exact, same dtypes"
 TRAIN_STEPS = 3  # optimizer steps of the `train` check
@@ -55,7 +71,7 @@ Path = tuple[str, ...]
 
 
 class ModulePair(Pair):
-    """A contributor's Linen module and NNX port, on the same inputs."""
+    """A contributor's Linen module and NNX port, called the same way on both sides."""
 
     roundtrip_note = ROUNDTRIP_NOTE
     program_name = "forward+backward"
@@ -70,10 +86,18 @@ class ModulePair(Pair):
     ) -> None:
         super().__init__(linen, nnx_side, tolerance)
         self.rules, self.mesh = rules, mesh
+        self.calls = linen.calls
 
     def batch(self, step: int = 0, split: str = "train") -> Any:
+        """Each side trains and evaluates on its own calls (their arguments can differ)."""
         del step, split
-        return self.linen.inputs
+
+    def vacuity(self, run: Run) -> list[str]:
+        """A module without parameters (dropout) is compared on its outputs alone."""
+        problems = vacuity_problems(run, self.output_name)
+        if not run.grads:
+            problems = [p for p in problems if not p.startswith("gradient norm")]
+        return problems
 
 
 def compare_modules(
@@ -83,11 +107,12 @@ def compare_modules(
     *,
     linen_variables: Mapping[str, Any] | None = None,
     renames: Mapping[Path, Path] | None = None,
+    collections: Mapping[str, type] | None = None,
     rules: Rules | None = None,
     mesh: Mesh | None = None,
     loss_fn: LossFn = mean_square_loss,
     tolerance: compare.Tolerance = compare.EXACT,
-    checks: Iterable[str] = CHECKS,
+    checks: Iterable[str] | None = None,
     seed: int = 0,
     optimizer: optax.GradientTransformation | None = None,
 ) -> list[CheckResult]:
@@ -96,70 +121,112 @@ def compare_modules(
     Args:
       linen_module: the Linen module, unbound.
       nnx_module: the NNX module, constructed (its own weights are the `nnx-init` source).
-      inputs: example positional inputs, a tuple (a single array is taken as `(array,)`).
-      linen_variables: Linen variables to start from; default `linen_module.init(key(seed),
-        *inputs)`, jitted, placed on `mesh` by the boxes' logical names when a mesh is given.
-      renames: Linen path prefix -> NNX path prefix, for parameters named differently, e.g.
-        `{('Dense_0',): ('up',)}`; serves both directions.
+      inputs: how both are called: an array (one positional argument), a tuple of positional
+        arguments, a `Call` (keyword arguments, arguments for one side only, NNX mode
+        attributes, randomness) or a list of `Call`s, run in order with the state each
+        updates carried into the next (train mode, then eval mode).
+      linen_variables: Linen variables to start from; default `linen_module.init` on the
+        first call, jitted, placed on `mesh` by the boxes' logical names when a mesh is given.
+      renames: Linen path prefix -> NNX path prefix, for variables named differently, e.g.
+        `{('Dense_0',): ('up',)}`; serves both directions and every collection.
+      collections: Linen collection -> NNX Variable type, added to or overriding
+        `DEFAULT_COLLECTIONS` (params, batch_stats, cache, intermediates).
       rules: logical axis rules (priority order). Enables the resolved-spec comparison and is
         entered as `nn.logical_axis_rules` (one context for both frameworks) while tracing.
       mesh: enables the placement and compiled-program comparisons; needs `rules`.
-      loss_fn: `outputs -> scalar` for the gradients; default `mean_square_loss`.
+      loss_fn: `outputs -> scalar` for the gradients (summed over the calls); default
+        `mean_square_loss`.
       tolerance: for forward, grads, train and layers (`parity.compare.EXACT`: bit-exact).
-      checks: names from `AVAILABLE`, run in the order given (default `CHECKS`).
-      seed: the key of the default Linen `init`.
+      checks: names from `AVAILABLE`, run in the order given (default `CHECKS`, and `random`
+        when a call is stochastic).
+      seed: the key of the default Linen `init` and of the calls' random keys.
       optimizer: the `train` check's optax optimizer (default SGD, learning rate 0.1).
 
-    A check that raises (a `ConversionError` for names, shapes or paths that do not match, an
-    error in either module) fails with the error as its message; `compare_modules` itself
-    raises only ValueError, for options that do not fit.
+    Every argument is checked before anything is traced: a mistake raises
+    `PairArgumentError` (a ValueError and the project's `BadInput`, exit status 2) saying what
+    was passed and what is expected. A check that raises fails with the error as its message
+    (`status` `failed` for a parity failure: converter mismatches, the NNX module raising
+    where Linen runs; `bad_input` when the Linen module itself cannot run the call;
+    `errored` for a bug of the harness); `exit_status(results)` gives the exit code.
     """
-    selected = tuple(checks)
-    unknown = [c for c in selected if c not in AVAILABLE]
-    if unknown:
-        raise ValueError(f"unknown check(s) {unknown}; known: {', '.join(AVAILABLE)}")
-    if mesh is not None and rules is None:
-        raise ValueError("a mesh needs rules: logical names reach mesh axes only through rules")
-    if not isinstance(inputs, (tuple, list)):
-        inputs = (inputs,)
+    pair_args.modules(linen_module, nnx_module)
+    calls = named(pair_args.calls(inputs))
+    renames = pair_args.renames(renames)
+    mapped = pair_args.collections(collections, DEFAULT_COLLECTIONS)
+    tolerance = pair_args.tolerance(tolerance)
+    stochastic = any(c.randomness is not None for c in calls)
+    if checks is None:
+        checks = (*CHECKS, "random") if stochastic else CHECKS
+    selected = pair_args.checks(checks, AVAILABLE)
+    pair_args.options(linen_variables, rules, mesh, loss_fn, seed, optimizer)
+    pair_args.unmapped_state(nnx_module, mapped)
+    pair_args.fit(linen_module, nnx_module, calls)
     common = {
-        "inputs": tuple(inputs),
+        "calls": calls,
         "loss_fn": loss_fn,
         "rules": rules,
         "mesh": mesh,
         "optimizer": optimizer or optax.sgd(0.1),
+        "seed": seed,
     }
     pair = ModulePair(
-        LinenModuleSide(linen_module, linen_variables, seed, **common),
-        NNXModuleSide(nnx_module, renames or {}, **common),
+        LinenModuleSide(linen_module, linen_variables, mapped, **common),
+        NNXModuleSide(nnx_module, renames, mapped, **common),
         tolerance,
         rules,
         mesh,
     )
-    results = []
-    for name in selected:
-        try:
-            check = AVAILABLE[name]
-            result = check(pair, TRAIN_STEPS) if name == "train" else check(pair)
-        except Exception as error:  # a failing check, reported
-            result = errored(name, error)
-        results.append(result)
-    return results
+    return [_run_check(pair, name) for name in selected]
 
 
-def format_report(results: Sequence[CheckResult], title: str = "parity") -> str:
-    """Plain-text report: one line per check, each note, then the failing records
-    (`parity.report.text_report`, the report every front end shares)."""
-    return report.text_report(results, title)
+def _run_check(pair: ModulePair, name: str) -> CheckResult:
+    if name in RUNS_CALLS and not any(c.compared_exactly for c in pair.calls):
+        return skipped(
+            name, "max_rel", 0.0, "every call is stochastic without aligned keys: see `random`"
+        )
+    if name in ("grads", "train") and not _has_params(pair):
+        return skipped(name, "max_rel", 0.0, "no parameters: the module is compared on outputs")
+    try:
+        check = AVAILABLE[name]
+        return check(pair, TRAIN_STEPS) if name == "train" else check(pair)
+    except Exception as error:  # a failing check, reported
+        return errored(name, error)
+
+
+def _has_params(pair: ModulePair) -> bool:
+    try:
+        return bool(pair.linen.to_common(pair.weights("linen", "linen"))["params"])
+    except Exception:  # the checks themselves report what does not initialise
+        return True
+
+
+def exit_status(results: Sequence[CheckResult]) -> int:
+    """The exit code of a comparison: 0 all passed, 1 a parity failure, 2 bad input, 4 a
+    harness error (the largest wins, as for the `parity` command)."""
+    return max((EXIT_STATUS[r.status] for r in results), default=EXIT_PASS)
+
+
+def format_report(
+    results: Sequence[CheckResult], title: str = "parity", verbose: bool = False
+) -> str:
+    """Plain-text report: one line per check, the failing records, then the notes
+    (`parity.report.text_report`, the report every front end shares); `verbose` adds each
+    error's whole text (tracebacks of module errors)."""
+    return report.text_report(results, title, verbose)
 
 
 __all__ = [
     "AVAILABLE",
     "CHECKS",
+    "DEFAULT_COLLECTIONS",
     "MAX_REPORTED",
     "PROGRAM_PRIMITIVES",
+    "Call",
+    "PairArgumentError",
+    "Randomness",
     "compare_modules",
     "count_primitives",
+    "exit_status",
     "format_report",
     "mean_square_loss",
 ]

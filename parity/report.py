@@ -210,10 +210,18 @@ MAX_LISTED = 10  # failing records listed per check by `text_report`
 
 
 def _describe(record: dict) -> str:
+    """One failing record, both sides labelled."""
     if "linen" in record:
-        return f"Linen {record['linen']} vs NNX {record['nnx']}"
+        text = f"Linen {record['linen']} vs NNX {record['nnx']}"
+        if "p_value" in record:
+            text += f" (p={record['p_value']:.2g})"
+        return text + (f" ({record['note']})" if "note" in record else "")
+    if "summary" in record:
+        return record["summary"]
+    if "note" in record:
+        return record["note"]
     text = (
-        f"max_rel={_fmt(record['max_rel'])} max_abs={_fmt(record['max_abs'])} "
+        f"NNX vs Linen max_rel={_fmt(record['max_rel'])} max_abs={_fmt(record['max_abs'])} "
         f"mismatches={record['mismatches']}"
     )
     if record.get("nonfinite"):
@@ -221,14 +229,15 @@ def _describe(record: dict) -> str:
     return text + (f" dtype {record['dtype']}" if "dtype" in record else "")
 
 
-def text_report(results: Sequence[Any], title: str = "parity") -> str:
-    """Plain-text report: one line per check, each note, then the failing records."""
+def text_report(results: Sequence[Any], title: str = "parity", verbose: bool = False) -> str:
+    """Plain-text report: one verdict line per check, then the failing records (each with
+    both sides), then the notes; `verbose` adds every error's whole text (tracebacks)."""
     failed = [r for r in results if not r.passed]
     verdict = f"FAIL ({len(failed)} of {len(results)} checks)" if failed else "PASS"
     rows = [("check", "verdict", "worst", "tolerance", "where")] + [
         (
             r.name,
-            "PASS" if r.passed else "FAIL",
+            {"passed": "PASS", "failed": "FAIL"}.get(r.status, "ERROR"),
             f"{r.metric}={_fmt(r.value)}",
             _fmt(r.tolerance),
             r.where,
@@ -241,13 +250,46 @@ def text_report(results: Sequence[Any], title: str = "parity") -> str:
         lines.append(
             "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[4]
         )
-    for r in results:
-        if r.message:
-            lines.append(f"  {r.name}: {r.message}")
     for r in failed:
+        label = "FAIL" if r.status == "failed" else "ERROR"
         failing = [d for d in r.details if not d.get("passed", True)]
         for record in failing[:MAX_LISTED]:
-            lines.append(f"  {r.name} FAIL {record['tensor']}: {_describe(record)}")
+            lines.append(f"  {r.name} {label} {record['tensor']}: {_describe(record)}")
         if len(failing) > MAX_LISTED:
             lines.append(f"  {r.name}: ... and {len(failing) - MAX_LISTED} more failing")
+    lines += _notes(results, verbose)
+    if verbose:
+        for r in results:
+            for record in r.details:
+                if "error" in record:
+                    lines += [f"{r.name}: {record['tensor']}:", str(record["error"])]
     return "\n".join(lines)
+
+
+def _notes(results: Sequence[Any], verbose: bool) -> list[str]:
+    """Each check's note: its first line (a line ending in `:` with the next one), the rest
+    only when `verbose`; an error another check already gave is referred to, not repeated."""
+    notes, seen, hidden = [], {}, False
+    for r in results:
+        if not r.message:
+            continue
+        if r.metric == "error" and r.message in seen:
+            notes.append(f"  {r.name}: as {seen[r.message]}")
+            continue
+        seen[r.message] = r.name
+        text = r.message.strip().splitlines()
+        shown = text[0]
+        rest = text[1:]
+        if shown.endswith(":") and rest:
+            shown, rest = f"{shown} {rest[0].strip(' -')}", rest[1:]
+        if verbose:
+            notes += [f"  {r.name}: {shown}", *(f"    {line}" for line in rest)]
+        else:
+            more = f" (+{len(rest)} more)" if rest else ""
+            notes.append(f"  {r.name}: {shown}{more}")
+        hidden |= bool(rest)
+    if not notes:
+        return []
+    hidden |= any("error" in d for r in results for d in r.details)
+    footer = ["(format_report(..., verbose=True) shows the rest: every line, tracebacks)"]
+    return ["notes:", *notes, *(footer if hidden and not verbose else [])]

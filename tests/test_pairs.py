@@ -291,7 +291,7 @@ def test_assert_parity_returns_results_or_fails_with_the_report():
         assert_parity(ex.LinenMLP(16), nnx_mlp(ExactGeluMLP), (X,))
     message = str(raised.value)
     assert message.startswith("LinenMLP (Linen) vs ExactGeluMLP (NNX): FAIL (2 of 4 checks)")
-    assert "forward FAIL linen-init/outputs: max_rel=" in message
+    assert "forward FAIL linen-init/outputs: NNX vs Linen max_rel=" in message
     assert "grads FAIL nnx-init/grads/up/kernel" in message
 
 

@@ -16,10 +16,12 @@ from typing import Any
 import jax
 
 from parity import compare, distributed, init_check
+from parity.engine.calls import ByCall
 from parity.engine.pair import SOURCES, Pair
 from parity.engine.result import (
     CheckResult,
     exact_records,
+    keyed_records,
     numeric_records,
     tree_records,
     verdict,
@@ -35,13 +37,37 @@ def run_records(
     parts: Sequence[str] = ("loss", "outputs", "grads"),
     output_name: str = "outputs",
 ) -> list[dict]:
-    """Records for the named parts of two runs; the outputs are recorded under `output_name`
-    (a pair's: `logits` for a decoder)."""
+    """Records for the named parts of two runs (NNX `actual` against Linen `expected`),
+    matched leaf by leaf on their paths; the outputs are recorded under `output_name` (a
+    pair's: `logits` for a decoder). With the outputs come the state the calls updated and
+    the values they sowed, wherever a side reports them; a run of several calls is recorded
+    call by call (`train/outputs`, `train/state/...`, then `eval/...`)."""
+    extra = [
+        p
+        for p in ("state", "sown")
+        if getattr(actual, p) is not None or getattr(expected, p) is not None
+    ]
     records = []
     for part in parts:
-        field = "outputs" if part == output_name else part
-        diffs = compare.compare_trees(getattr(actual, field), getattr(expected, field))
-        records += numeric_records(f"{prefix}{part}", diffs, tol)
+        if part != output_name:
+            records += keyed_records(
+                f"{prefix}{part}", getattr(actual, part), getattr(expected, part), tol
+            )
+            continue
+        per_call = isinstance(expected.outputs, ByCall) and isinstance(actual.outputs, ByCall)
+        names = (
+            [*expected.outputs, *(n for n in actual.outputs if n not in expected.outputs)]
+            if per_call
+            else [None]
+        )
+        for name in names:
+            for field in ("outputs", *extra):
+                label = output_name if field == "outputs" else field
+                nnx, linen = getattr(actual, field), getattr(expected, field)
+                if name is not None:
+                    nnx, linen = nnx.get(name), linen.get(name)
+                where = f"{prefix}{name}/{label}" if name is not None else f"{prefix}{label}"
+                records += keyed_records(where, nnx, linen, tol)
     return records
 
 

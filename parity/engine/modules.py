@@ -1,46 +1,41 @@
 """Any Linen module and its NNX port as the two `Side`s of a pair (`compare_modules`).
 
-`LinenModuleSide` initialises (or is given) Linen variables and applies the module to the
-pair's inputs; `NNXModuleSide` splits the constructed NNX module into its Params and the rest
-and runs `nnx.merge` inside `jax.jit` and `jax.grad` (the functional form, so that the pair is
-judged the same way with NNX graph mode on or off). The program a module side exposes is its
-jitted `value_and_grad` of `loss_fn(outputs)` with respect to the parameters.
+`LinenModuleSide` initialises (or is given) Linen variables and calls `module.apply` with
+every non-parameter collection mutable; `NNXModuleSide` splits the constructed NNX module
+into its Params, its other mapped state (BatchStat, Cache, ...) and the rest (RNG state) and
+runs `nnx.merge` inside `jax.jit` and `jax.grad` (the functional form, so that the pair is
+judged the same way with NNX graph mode on or off), reading sown values with `nnx.capture`.
+Both name everything by Linen collection and path, through `migrate.convert` and `renames`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
-import optax
 from flax import nnx
-from jax.sharding import Mesh
+from flax.core import DenyList
 
 from migrate import convert
-from migrate.config import Rules
 from parity import distributed
-from parity.engine.side import DrillStage, ProgramArray, Run, Side, Trainer
+from parity.engine.calls import is_sown
+from parity.engine.module_base import (
+    CallResult,
+    LossFn,
+    ModuleSide,
+    captures,
+    flat_paths,
+    key_str,
+    mean_square_loss,
+    unboxed_grads,
+)
+from parity.engine.side import SideError
 
 Path = tuple[str, ...]
-LossFn = Callable[[Any], jax.Array]
-
-
-def mean_square_loss(outputs: Any) -> jax.Array:
-    """The default loss: sum over the floating-point output leaves of `mean(leaf ** 2)`.
-
-    Computed in float32. The mean keeps the scale independent of the batch size; non-float
-    leaves (token ids, masks) are skipped.
-    """
-    total = jnp.zeros((), jnp.float32)
-    for leaf in jax.tree.leaves(outputs):
-        if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.inexact):
-            total = total + jnp.mean(jnp.square(jnp.asarray(leaf, jnp.float32)))
-    return total
+__all__ = ["LinenModuleSide", "LossFn", "NNXModuleSide", "mean_square_loss", "to_linen_path"]
 
 
 def to_linen_path(path: Path, renames: Mapping[Path, Path]) -> Path:
@@ -51,125 +46,11 @@ def to_linen_path(path: Path, renames: Mapping[Path, Path]) -> Path:
     return path
 
 
-def _key(k: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
-def _flat_grads(grads_params: Any) -> dict[str, Any]:
-    """Gradients in Linen's form (`params` tree, boxed or not) flat by Linen path."""
-    flat = convert.flatten_dict(nn.meta.unbox(grads_params))
-    return {"/".join(path): value for path, value in flat.items()}
-
-
-class ModuleSide(Side):
-    """What both module sides share: inputs, loss, rules and mesh, and the optimizer."""
-
-    def __init__(
-        self,
-        inputs: tuple[Any, ...],
-        loss_fn: LossFn,
-        rules: Rules | None,
-        mesh: Mesh | None,
-        optimizer: optax.GradientTransformation,
-    ) -> None:
-        self.inputs, self.loss_fn = inputs, loss_fn
-        self.rules, self.mesh, self.optimizer = rules, mesh, optimizer
-
-    def context(self) -> contextlib.AbstractContextManager:
-        """The logical axis rules (one context for Linen and NNX) while tracing, when given."""
-        return nn.logical_axis_rules(self.rules) if self.rules else contextlib.nullcontext()
-
-    # Each side: `(weights, *inputs) -> (loss, outputs)`, pure.
-    def loss(self, weights: Any, *inputs: Any) -> tuple[jax.Array, Any]:
-        raise NotImplementedError
-
-    def grads_common(self, grads: Any) -> dict[str, Any]:
-        """Gradients as returned -> flat by Linen path."""
-        raise NotImplementedError
-
-    def args(self, weights: Any) -> tuple[Any, ...]:
-        """The positional arguments of `loss` (weights first, then the inputs)."""
-        return (weights, *self.inputs)
-
-    @functools.cached_property
-    def step(self) -> Callable:
-        return jax.jit(jax.value_and_grad(self.loss, has_aux=True))
-
-    def run(self, weights: Any) -> Run:
-        with self.context():
-            (loss, outputs), grads = self.step(*self.args(weights))
-        return Run(loss, outputs, self.grads_common(grads))
-
-    def lowered(self, weights: Any) -> jax.stages.Lowered:
-        with self.context():
-            return self.step.lower(*self.args(weights))
-
-    def jaxpr(self, weights: Any) -> Any:
-        with self.context():
-            return jax.make_jaxpr(self.loss)(*self.args(weights)).jaxpr
-
-    def program_shardings(self, compiled: jax.stages.Compiled) -> dict[str, ProgramArray]:
-        """Parameters and inputs as the compiled program takes them, its loss, outputs and
-        gradients as it returns them; parameters and gradients named by Linen path."""
-        out: dict[str, ProgramArray] = {}
-        for (path, sharding), aval in zip(
-            jax.tree_util.tree_flatten_with_path(compiled.input_shardings[0])[0],
-            jax.tree.leaves(compiled.args_info[0]),
-            strict=True,
-        ):
-            label = self.input_label(path)
-            if label is not None:
-                out[f"compiled input {label}"] = (sharding, len(aval.shape), None)
-        (loss_and_outputs, grads) = compiled.output_shardings
-        (_, outputs) = loss_and_outputs
-        output_infos = jax.tree.leaves(compiled.out_info[0][1])
-        for i, (sharding, aval) in enumerate(
-            zip(jax.tree.leaves(outputs), output_infos, strict=True)
-        ):
-            out[f"compiled output {i}"] = (sharding, len(aval.shape), None)
-        grad_infos = jax.tree.leaves(compiled.out_info[1])
-        for (path, sharding), aval in zip(
-            jax.tree_util.tree_flatten_with_path(grads)[0], grad_infos, strict=True
-        ):
-            out[f"compiled grad {self.param_label(path)}"] = (sharding, len(aval.shape), None)
-        return out
-
-    def input_label(self, path: tuple) -> str | None:
-        raise NotImplementedError
-
-    def param_label(self, path: tuple) -> str:
-        raise NotImplementedError
-
-    def trainer(self, weights: Any) -> Trainer:
-        tx = self.optimizer
-        params = self.trainable(weights)
-
-        def step(params, opt_state, inputs):
-            (loss, _), grads = jax.value_and_grad(self.loss, has_aux=True)(
-                self.with_params(weights, params), *inputs
-            )
-            updates, opt_state = tx.update(grads, opt_state, params)
-            metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
-            return optax.apply_updates(params, updates), opt_state, metrics
-
-        def evaluate(params, inputs):
-            return self.loss(self.with_params(weights, params), *inputs)[0]
-
-        with self.context():
-            compiled = jax.jit(step).lower(params, tx.init(params), self.inputs).compile()
-        return Trainer(params, tx.init(params), compiled, jax.jit(evaluate))
-
-    def trainable(self, weights: Any) -> Any:
-        """The part of `weights` the optimizer updates."""
-        return weights
-
-    def with_params(self, weights: Any, params: Any) -> Any:
-        """`weights` with its trainable part replaced by `params`."""
-        del weights
-        return params
+def plain_common(variables: Mapping[str, Any]) -> Any:
+    """Common-form variables as plain host arrays: the parameter tree alone when there is
+    nothing else (records keep their `down/kernel` names), else every collection."""
+    tree = variables["params"] if set(variables) == {"params"} else dict(variables)
+    return distributed.to_host(nn.meta.unbox(tree))
 
 
 class LinenModuleSide(ModuleSide):
@@ -181,32 +62,53 @@ class LinenModuleSide(ModuleSide):
         self,
         module: nn.Module,
         variables: Mapping[str, Any] | None,
-        seed: int,
+        collections: Mapping[str, type],
         **common: Any,
     ) -> None:
         super().__init__(**common)
-        self.module, self.given, self.seed = module, variables, seed
+        self.module, self.given = module, variables
+        self.sown = frozenset(c for c, t in collections.items() if is_sown(t))
+
+    def _weights_only(self, variables: Mapping[str, Any]) -> dict[str, Any]:
+        out = {c: v for c, v in variables.items() if c not in self.sown}
+        return {"params": {}, **out}
+
+    def _init(self, key: jax.Array, arrays: dict[str, Any]) -> Any:
+        """`module.init` on the first call (keys for `params` and every named stream)."""
+        call, inputs = self.calls[0], self.call_inputs[0]
+        args, kwargs = inputs.rebuild(arrays)
+        params_key, stream_key = jax.random.split(key)
+        streams = call.randomness.linen_streams if call.randomness else ()
+        rngs = {"params": params_key, "dropout": stream_key} | dict.fromkeys(streams, stream_key)
+        if call.randomness is not None and call.randomness.linen_arg:
+            kwargs[call.randomness.linen_arg] = stream_key
+        try:
+            return self.module.init(rngs, *args, method=call.method, **kwargs)
+        except Exception as error:
+            raise SideError(self.framework, f"init ({call.name})", error) from error
 
     def own_weights(self) -> Any:
         if self.given is not None:
-            return dict(self.given)
-        key = jax.random.key(self.seed)
-        init = self.module.init
+            return self._weights_only(self.given)
+        key, arrays = jax.random.key(self.seed), self.call_inputs[0].arrays()
         with self.context():
             if self.mesh is None:
-                return dict(jax.jit(init)(key, *self.inputs))
-            abstract = jax.eval_shape(init, key, *self.inputs)
+                return self._weights_only(jax.jit(self._init)(key, arrays))
+            abstract = jax.eval_shape(self._init, key, arrays)
             shardings = nn.logical_to_mesh_sharding(
                 nn.get_partition_spec(abstract), self.mesh, self.rules
             )
-            return dict(jax.jit(init, out_shardings=shardings)(key, *self.inputs))
+            return self._weights_only(jax.jit(self._init, out_shardings=shardings)(key, arrays))
 
     @functools.cached_property
     def _target(self) -> Any:
         if self.given is not None:
-            return self.given
+            return self._weights_only(self.given)
         with self.context():
-            return jax.eval_shape(self.module.init, jax.random.key(self.seed), *self.inputs)
+            abstract = jax.eval_shape(
+                self._init, jax.random.key(self.seed), self.call_inputs[0].arrays()
+            )
+        return self._weights_only(abstract)
 
     def to_common(self, weights: Any) -> dict[str, Any]:
         return weights
@@ -216,135 +118,175 @@ class LinenModuleSide(ModuleSide):
 
     def plain(self, tree: Any) -> Any:
         if isinstance(tree, Mapping) and "params" in tree:
-            tree = tree["params"]
+            return plain_common(tree)
         return distributed.to_host(nn.meta.unbox(tree))
 
-    def loss(self, variables: Any, *inputs: Any) -> tuple[jax.Array, Any]:
-        outputs = self.module.apply(variables, *inputs)
-        return self.loss_fn(outputs), outputs
+    def split(self, weights: Any) -> tuple[Any, Any, Any]:
+        return weights["params"], {c: v for c, v in weights.items() if c != "params"}, None
+
+    def apply_call(
+        self,
+        index: int,
+        params: Any,
+        state: Any,
+        rng: Any,
+        arrays: Any,
+        key: Any,
+        capture_all: bool = False,
+    ) -> CallResult:
+        call = self.calls[index]
+        args, kwargs = self.call_inputs[index].rebuild(arrays)
+        rngs = None
+        if call.randomness is not None and key is not None:
+            if call.randomness.linen_arg:
+                kwargs[call.randomness.linen_arg] = key
+            else:
+                rngs = dict.fromkeys(call.randomness.linen_streams, key)
+        try:
+            out, mutated = self.module.apply(
+                {"params": params, **state},
+                *args,
+                rngs=rngs,
+                method=call.method,
+                mutable=DenyList("params"),
+                capture_intermediates=capture_all,
+                **kwargs,
+            )
+        except Exception as error:
+            raise SideError(self.framework, f"call {call.name!r}", error) from error
+        mutated = dict(mutated)
+        new_state = {c: v for c, v in mutated.items() if c not in self.sown}
+        return out, new_state, rng, {c: v for c, v in mutated.items() if c in self.sown}
+
+    def state_paths(self, state: Any) -> dict[str, Any]:
+        return flat_paths(state)
+
+    def sown_paths(self, sown: Any) -> dict[str, Any]:
+        return flat_paths(sown)
+
+    def captures(self, captured: Any) -> dict[str, Any]:
+        return captures(captured.get("intermediates", {}))
 
     def grads_common(self, grads: Any) -> dict[str, Any]:
-        return _flat_grads(grads["params"])
-
-    def input_label(self, path: tuple) -> str | None:
-        if path[0].idx == 0:
-            keys = [_key(k) for k in path[1:]]
-            if keys[0] != "params":
-                return None
-            return "params " + "/".join(k for k in keys[1:] if k != "value")
-        return f"input {path[0].idx - 1}"
+        return unboxed_grads(grads)
 
     def param_label(self, path: tuple) -> str:
-        keys = [_key(k) for k in path]
-        return "/".join(k for k in keys[1:] if k != "value")
+        return "/".join(k for k in (key_str(k) for k in path) if k != "value")
 
-    def trainable(self, weights: Any) -> Any:
-        return weights["params"]
-
-    def with_params(self, weights: Any, params: Any) -> Any:
-        return {**weights, "params": params}
-
-    def drill_stages(self, weights: Any) -> list[DrillStage]:
-        def apply(_):
-            with self.context():
-                out, state = self.module.apply(
-                    weights, *self.inputs, capture_intermediates=True, mutable=["intermediates"]
-                )
-            return out, captures(state["intermediates"])
-
-        return [DrillStage("module", apply)]
+    def state_label(self, path: tuple) -> str | None:
+        return "state " + self.param_label(path)
 
 
 class NNXModuleSide(ModuleSide):
-    """A constructed NNX module, split into its Params (the weights) and the rest."""
+    """A constructed NNX module, split into its Params, its other mapped state and the rest
+    (RNG state: no Linen counterpart, carried from call to call). Native weights are one
+    State of the Params and the mapped state."""
 
     framework = "nnx"
 
-    def __init__(self, module: nnx.Module, renames: Mapping[Path, Path], **common: Any) -> None:
+    def __init__(
+        self,
+        module: nnx.Module,
+        renames: Mapping[Path, Path],
+        collections: Mapping[str, type],
+        **common: Any,
+    ) -> None:
         super().__init__(**common)
         self.renames = dict(renames)
-        self.graphdef, self.params, self.rest = nnx.split(module, nnx.Param, ...)
+        self.collections = {c: t for c, t in collections.items() if not is_sown(t)}
+        self.sown_collections = {c: t for c, t in collections.items() if is_sown(t)}
+        self.state_types = tuple(t for t in self.collections.values() if t is not nnx.Param)
+        self.graphdef, params, state, self.rest = nnx.split(
+            module, nnx.Param, self.state_types, ...
+        )
+        self.template = nnx.merge_state(params, state)
+        self.state_collections = {
+            tuple(str(k) for k in path): convert.collection_of(type(v), self.collections)
+            for path, v in nnx.to_flat_state(state)
+        }
 
     def own_weights(self) -> Any:
-        return self.params
+        return self.template
 
     def to_common(self, weights: Any) -> dict[str, Any]:
-        return convert.nnx_to_linen(weights, renames=self.renames)
+        return convert.nnx_to_linen(weights, renames=self.renames, collections=self.collections)
 
     def from_common(self, variables: dict[str, Any]) -> Any:
-        return convert.linen_to_nnx(variables, self.params, self.renames)
+        return convert.linen_to_nnx(variables, self.template, self.renames, self.collections)
 
     def plain(self, tree: Any) -> Any:
         tree = jax.tree.map(
-            lambda x: self.to_common(x)["params"] if isinstance(x, nnx.State) else x,
+            lambda x: plain_common(self.to_common(x)) if isinstance(x, nnx.State) else x,
             tree,
             is_leaf=lambda x: isinstance(x, nnx.State),
         )
         return distributed.to_host(nn.meta.unbox(tree))
 
-    def args(self, weights: Any) -> tuple[Any, ...]:
-        return (weights, self.rest, *self.inputs)
+    def split(self, weights: Any) -> tuple[Any, Any, Any]:
+        params, state = nnx.split_state(weights, nnx.Param, ...)
+        return params, state, self.rest
 
-    def loss(self, params: Any, rest: Any, *inputs: Any) -> tuple[jax.Array, Any]:
-        outputs = nnx.merge(self.graphdef, params, rest)(*inputs)
-        return self.loss_fn(outputs), outputs
+    def apply_call(
+        self,
+        index: int,
+        params: Any,
+        state: Any,
+        rng: Any,
+        arrays: Any,
+        key: Any,
+        capture_all: bool = False,
+    ) -> CallResult:
+        call = self.calls[index]
+        args, kwargs = self.call_inputs[index].rebuild(arrays)
+        if call.randomness is not None and call.randomness.nnx_arg and key is not None:
+            kwargs[call.randomness.nnx_arg] = key
+        # copy: the merged Variables belong to this trace level (BatchNorm under jax.grad).
+        model = nnx.merge(self.graphdef, params, state, rng, copy=True)
+
+        def method(module, *args, **kwargs):
+            return (getattr(module, call.method) if call.method else module)(*args, **kwargs)
+
+        try:
+            if call.nnx_attributes:
+                model.set_attributes(**call.nnx_attributes)
+            out, *captured = nnx.capture(
+                method,
+                *(self.sown_collections.values() or (nnx.Intermediate,)),
+                method_outputs=nnx.Intermediate if capture_all else None,
+            )(model, *args, **kwargs)
+        except Exception as error:
+            raise SideError(self.framework, f"call {call.name!r}", error) from error
+        _, new_state, new_rng = nnx.state(model, nnx.Param, self.state_types, ...)
+        return out, new_state, new_rng, nnx.merge_state(*captured)  # one State per sown type
+
+    def _linen_key(self, path: tuple, collection: str | None) -> str:
+        keys = tuple(k for k in (key_str(k) for k in path) if k != "value")
+        return "/".join((collection or "?", *to_linen_path(keys, self.renames)))
+
+    def state_paths(self, state: Any) -> dict[str, Any]:
+        return {
+            self._linen_key(path, convert.collection_of(type(v), self.collections)): v.get_value()
+            for path, v in nnx.to_flat_state(state)
+        }
+
+    def sown_paths(self, sown: Any) -> dict[str, Any]:
+        flat = {}
+        for path, v in nnx.to_flat_state(sown):
+            where = self._linen_key(path, convert.collection_of(type(v), self.sown_collections))
+            flat.update(flat_paths(v.get_value(), (where,)))
+        return flat
+
+    def captures(self, captured: Any) -> dict[str, Any]:
+        return captures(nnx.to_pure_dict(captured))
 
     def grads_common(self, grads: Any) -> dict[str, Any]:
-        return _flat_grads(convert.nnx_to_linen(grads, renames=self.renames)["params"])
-
-    def input_label(self, path: tuple) -> str | None:
-        index = path[0].idx
-        if index == 0:
-            keys = tuple(k for k in (_key(k) for k in path[1:]) if k != "value")
-            return "params " + "/".join(to_linen_path(keys, self.renames))
-        if index == 1:
-            return None  # RNG state and other non-Param variables: no Linen counterpart
-        return f"input {index - 2}"
+        return unboxed_grads(convert.nnx_to_linen(grads, renames=self.renames)["params"])
 
     def param_label(self, path: tuple) -> str:
-        keys = tuple(k for k in (_key(k) for k in path) if k != "value")
+        keys = tuple(k for k in (key_str(k) for k in path) if k != "value")
         return "/".join(to_linen_path(keys, self.renames))
 
-    def trainer(self, weights: Any) -> Trainer:
-        tx = self.optimizer
-        rest = self.rest
-
-        def step(params, opt_state, inputs):
-            (loss, _), grads = jax.value_and_grad(self.loss, has_aux=True)(params, rest, *inputs)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
-            return optax.apply_updates(params, updates), opt_state, metrics
-
-        def evaluate(params, inputs):
-            return self.loss(params, rest, *inputs)[0]
-
-        with self.context():
-            compiled = jax.jit(step).lower(weights, tx.init(weights), self.inputs).compile()
-        return Trainer(weights, tx.init(weights), compiled, jax.jit(evaluate))
-
-    def drill_stages(self, weights: Any) -> list[DrillStage]:
-        def apply(_):
-            model = nnx.merge(self.graphdef, weights, self.rest)
-            with self.context():
-                out, captured = nnx.capture(
-                    model, nnx.Intermediate, method_outputs=nnx.Intermediate
-                )(*self.inputs)
-            return out, captures(nnx.to_pure_dict(captured))
-
-        return [DrillStage("module", apply)]
-
-
-def captures(tree: Any) -> dict[str, Any]:
-    """Captured submodule outputs (Linen `capture_intermediates`, NNX `nnx.capture`) by
-    module path: `('mlp', 'up', '__call__', 0)` -> `mlp/up`; the module's own output is
-    `output`; repeated calls keep their index (`mlp/up/1`)."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        keys = [_key(k).strip("[]") for k in path if _key(k) != "intermediates"]
-        if "__call__" not in keys:
-            continue
-        call = keys.index("__call__")
-        name = "/".join(keys[:call]) or "output"
-        index = keys[call + 1] if call + 1 < len(keys) else "0"
-        out[name if index == "0" else f"{name}/{index}"] = leaf
-    return out
+    def state_label(self, path: tuple) -> str | None:
+        keys = tuple(k for k in (key_str(k) for k in path) if k != "value")
+        collection = self.state_collections.get(keys)
+        return None if collection is None else f"state {self._linen_key(path, collection)}"

@@ -175,7 +175,11 @@ def sharding(pair: Pair) -> CheckResult:
         records += structure_records(pair)
     except Exception as error:  # a side that does not trace: reported, not raised
         message = f"{type(error).__name__}: {error}"
-        records.append(fact_record("program: trace and compile", False, "-", message))
+        side = getattr(error, "framework", None)  # a `SideError` says whose module raised
+        linen, nnx = (message, "-") if side == "linen" else ("-", message)
+        if side == "nnx":  # the Linen side traced and compiled before
+            linen = "traced"
+        records.append(fact_record("program: trace and compile", False, linen, nnx))
     return facts_verdict("sharding", records, note)
 
 

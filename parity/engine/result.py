@@ -12,12 +12,14 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from migrate import convert, errors
 from migrate.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_USAGE
 from migrate.layout import LayoutError
 from parity import compare, distributed
+from parity.engine.side import SideError
 
 # A check's status and the exit status it gives the run (the largest over all checks wins):
 # `failed` is a real parity failure; `bad_input` a check that could not run on this input or
@@ -64,12 +66,28 @@ def skipped(name: str, metric: str, tolerance: float, reason: str) -> CheckResul
 
 def errored(name: str, error: Exception) -> CheckResult:
     """A check that raised. A `PARITY_ERRORS` exception (converter errors list every path) is a
-    failed check; bad input or a resource (out of memory) is `bad_input`; anything else is a
-    crash of the harness, `errored`, never reported as a parity failure."""
+    failed check; so is a `SideError` of the NNX side (the port raises where its original
+    runs), while one of the Linen side is bad input (the call does not fit the original);
+    bad input or a resource (out of memory) is `bad_input`; anything else is a crash of the
+    harness, `errored`, never reported as a parity failure."""
     text = str(error)[:20_000]
     first_line = text.splitlines()[0] if text else ""
     where = text.splitlines()[1].strip(" -") if len(text.splitlines()) > 1 else first_line
-    if isinstance(error, PARITY_ERRORS):
+    details: tuple[dict[str, Any], ...] = ()
+    if isinstance(error, SideError):
+        status = "failed" if error.framework == "nnx" else "bad_input"
+        message, where = first_line, f"{error.framework}: {error.where}"
+        # The first line says what went wrong; the whole error is there on request.
+        details = (
+            {
+                "tensor": where,
+                "passed": False,
+                "max_rel": float("inf"),
+                "summary": f"{type(error.error).__name__}: {message.split(': ', 1)[-1]}",
+                "error": errors.shorten(error.detail, 20_000),
+            },
+        )
+    elif isinstance(error, PARITY_ERRORS):
         status, message = "failed", f"{type(error).__name__}: {text[:4000]}"
     else:
         exit_status, _, message = errors.classify(error)
@@ -81,6 +99,7 @@ def errored(name: str, error: Exception) -> CheckResult:
         value=float("inf"),
         tolerance=0.0,
         where=where[:300],
+        details=details,
         message=message,
         status=status,
     )
@@ -107,14 +126,58 @@ def numeric_records(
     ]
 
 
-def tree_records(prefix: str, actual: Any, expected: Any, tol: compare.Tolerance) -> list[dict]:
-    """Records for two trees (or arrays) of the same structure."""
-    return numeric_records(prefix, compare.compare_trees(actual, expected), tol)
+def tree_records(
+    prefix: str,
+    actual: Any,
+    expected: Any,
+    tol: compare.Tolerance,
+    labels: tuple[str, str] | None = ("NNX", "Linen"),
+) -> list[dict]:
+    """Records for two trees (or arrays) of the same structure (`labels`: the sides, for a
+    mismatch's message)."""
+    return numeric_records(prefix, compare.compare_trees(actual, expected, labels), tol)
+
+
+def one_sided_record(tensor: str, note: str) -> dict:
+    """A leaf the two sides do not both have, or do not have in the same shape: failed."""
+    inf = float("inf")
+    return {
+        "tensor": tensor,
+        "max_abs": inf,
+        "max_rel": inf,
+        "ulp_at_scale": inf,
+        "mismatches": -1,
+        "nonfinite": 0,
+        "passed": False,
+        "note": note,
+    }
+
+
+def keyed_records(prefix: str, nnx: Any, linen: Any, tol: compare.Tolerance) -> list[dict]:
+    """Records for two trees matched leaf by leaf on their paths (NNX against Linen), in
+    Linen's order: a leaf on one side only, or of another shape, is a failed record that says
+    which; two trees of the same structure give exactly `tree_records`'."""
+    flat_nnx = {compare.path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(nnx)[0]}
+    flat_linen = {compare.path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(linen)[0]}
+    records = []
+    for path in [*flat_linen, *(p for p in flat_nnx if p not in flat_linen)]:
+        tensor = f"{prefix}/{path}" if path else prefix
+        if path not in flat_nnx or path not in flat_linen:
+            side = "Linen" if path in flat_linen else "NNX"
+            records.append(one_sided_record(tensor, f"on the {side} side only"))
+            continue
+        shapes = [np.shape(distributed.to_host(x)) for x in (flat_nnx[path], flat_linen[path])]
+        if shapes[0] != shapes[1]:
+            records.append(one_sided_record(tensor, f"shape: Linen {shapes[1]} vs NNX {shapes[0]}"))
+            continue
+        diff = compare.leaf_diff(path, flat_nnx[path], flat_linen[path])
+        records += numeric_records(prefix, [diff], tol)
+    return records
 
 
 def exact_records(prefix: str, actual: Any, expected: Any) -> list[dict]:
     """Records of two trees that must be bit-identical, dtypes included (a round trip)."""
-    records = tree_records(prefix, actual, expected, compare.EXACT)
+    records = tree_records(prefix, actual, expected, compare.EXACT, ("after", "before"))
     dtypes_a = [str(np.asarray(x).dtype) for x in _host_leaves(actual)]
     dtypes_b = [str(np.asarray(x).dtype) for x in _host_leaves(expected)]
     for record, dtype_a, dtype_b in zip(records, dtypes_a, dtypes_b, strict=True):
@@ -126,8 +189,6 @@ def exact_records(prefix: str, actual: Any, expected: Any) -> list[dict]:
 
 
 def _host_leaves(tree: Any) -> list[Any]:
-    import jax
-
     return jax.tree.leaves(distributed.to_host(tree))
 
 
@@ -164,6 +225,8 @@ def verdict(
     else:
         worst = failing[0] if failing else max(records, key=lambda r: r["max_rel"], default=None)
     where = problems[0] if problems and not failing else (worst["tensor"] if worst else "-")
+    # A failed check's note says what was required, never reads as what was found.
+    required = f"required: {note or tol.reason}" if failing else note or tol.reason
     return CheckResult(
         name=name,
         passed=not failing and not problems,
@@ -172,7 +235,7 @@ def verdict(
         tolerance=tol.max_rel,
         where=where,
         details=tuple(records),
-        message="; ".join(problems) or note or tol.reason,
+        message="; ".join(problems) or required,
     )
 
 

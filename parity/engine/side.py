@@ -17,13 +17,33 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 
 # An array of a program, as `Side.program_shardings` reports it: (sharding, ndim, declared).
 ProgramArray = tuple[Any, int, Any]
+
+
+class SideError(Exception):
+    """An exception raised by one side's own model code (not by the harness): the message is
+    its first line, `detail` the whole error with its traceback. Raised by the NNX side while
+    the Linen side runs, the port parts ways with its original: a parity failure; raised by
+    the Linen side, the input does not fit the original: bad input."""
+
+    LABELS: ClassVar[dict[str, str]] = {"linen": "Linen", "nnx": "NNX"}
+
+    def __init__(self, framework: str, where: str, error: BaseException) -> None:
+        self.framework, self.where, self.error = framework, where, error
+        lines = str(error).strip().splitlines()
+        first = lines[0] if lines else ""
+        self.detail = "".join(traceback.format_exception(error)).strip()
+        super().__init__(
+            f"the {self.LABELS.get(framework, framework)} module raised "
+            f"{type(error).__name__} in {where}" + (f": {first}" if first else "")
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,3 +148,14 @@ class Side(abc.ABC):
     def drill_stages(self, weights: Any) -> list[DrillStage]:
         """The model cut into parts for the drill-down (default: none)."""
         return []
+
+    # ------------------------------------------------------------ randomness
+
+    def stochastic_calls(self) -> dict[int, tuple[str, Any]]:
+        """The calls that draw random numbers: index -> (name, `Randomness`) (default: none)."""
+        return {}
+
+    def draws(self, weights: Any, index: int) -> Any:
+        """Stochastic call `index` run `draws` times from `weights`, the RNG state carried:
+        its outputs stacked on a leading draw axis, on the host."""
+        raise NotImplementedError(f"{type(self).__name__} has no stochastic calls")
