@@ -27,7 +27,11 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "base_num_decoder_layers": (1, 2**10),
     "vocab_size": (1, 2**21),
     "max_target_length": (1, 2**20),
+    "num_experts": (1, 2**10),
+    "num_experts_per_tok": (1, 2**10),
+    "dcn_data_parallelism": (1, 2**10),
     "dcn_pipeline_parallelism": (1, 2**10),
+    "pipeline_parallel_layers": (-1, 2**10),  # -1: all N layers; 0: see the pipeline rules
     "num_pipeline_microbatches": (
         -1,
         2**12,
@@ -38,6 +42,7 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "ici_fsdp_parallelism": (1, 2**12),
     "ici_tensor_parallelism": (1, 2**12),
     "ici_pipeline_parallelism": (1, 2**12),
+    "ici_expert_parallelism": (1, 2**12),
 }
 MAX_PER_DEVICE_BATCH = 2**16
 MAX_DEVICES = 2**16  # the whole mesh
@@ -100,8 +105,8 @@ def derived_violations(cfg: Any) -> list[str]:
         )
     if cfg.num_devices > MAX_DEVICES:
         out.append(
-            f"the mesh (data x stage x fsdp x tensor = {cfg.num_devices} devices): at most "
-            f"{MAX_DEVICES} devices"
+            f"the mesh (data x stage x fsdp x tensor x expert = {cfg.num_devices} devices): "
+            f"at most {MAX_DEVICES} devices"
         )
     if len(cfg.logical_axis_rules) > MAX_RULES:
         out.append(f"logical_axis_rules: {len(cfg.logical_axis_rules)} rules; at most {MAX_RULES}")

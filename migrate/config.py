@@ -26,7 +26,8 @@ from typing import Any
 from migrate import bounds, safe_load
 from migrate.errors import BadInput
 
-MESH_AXES: tuple[str, ...] = ("data", "stage", "fsdp", "tensor")
+# MaxText's order of the axes this decoder uses; `data` and `stage` span slices (DCN) too.
+MESH_AXES: tuple[str, ...] = ("data", "stage", "fsdp", "tensor", "expert")
 DTYPES = ("float32", "bfloat16")
 MATMUL_PRECISIONS = ("default", "high", "highest")
 REMAT_POLICIES = ("save_iteration_and_layer_inputs", "full", "minimal", "none")
@@ -60,6 +61,11 @@ class Config:
     normalization_layer_epsilon: float
     rope_min_timescale: float
     rope_max_timescale: float
+    logits_via_embedding: bool  # the token embedding is also the logits head (tied)
+    # Mixture of experts (mixtral-style): 1 expert is the dense llama2 MLP.
+    num_experts: int
+    num_experts_per_tok: int
+    load_balance_loss_weight: float
 
     per_device_batch_size: float
     learning_rate: float
@@ -72,12 +78,15 @@ class Config:
     weight_dtype: str
     matmul_precision: str
 
+    dcn_data_parallelism: int
     dcn_pipeline_parallelism: int
+    pipeline_parallel_layers: int  # -1: every decoder layer runs in the pipeline
     num_pipeline_microbatches: int
     num_layers_per_pipeline_stage: int
     num_pipeline_repeats: int
     pipeline_delay_activation_forwarding: bool
     pipeline_fsdp_ag_once: bool
+    pipeline_fsdp_ag_per_repeat: bool
     scan_layers_per_stage: bool
     scan_pipeline_iterations: bool
     set_remat_policy_on_pipeline_iterations: bool
@@ -87,6 +96,7 @@ class Config:
     ici_fsdp_parallelism: int
     ici_tensor_parallelism: int
     ici_pipeline_parallelism: int
+    ici_expert_parallelism: int
 
     logical_axis_rules: Rules
 
@@ -96,6 +106,8 @@ class Config:
     num_repeats: int = dataclasses.field(init=False)
     layers_per_stage: int = dataclasses.field(init=False)
     forwarding_delay: int = dataclasses.field(init=False)
+    num_pipelined_layers: int = dataclasses.field(init=False)
+    num_layers_after_pipeline: int = dataclasses.field(init=False)
     num_devices: int = dataclasses.field(init=False)
     global_batch_size: int = dataclasses.field(init=False)
     microbatch_size: int = dataclasses.field(init=False)
@@ -122,11 +134,17 @@ class Config:
     def mesh_shape(self) -> dict[str, int]:
         """Mesh axis name -> size, in `MESH_AXES` order."""
         return {
-            "data": self.ici_data_parallelism,
+            "data": self.ici_data_parallelism * self.dcn_data_parallelism,
             "stage": self.num_stages,
             "fsdp": self.ici_fsdp_parallelism,
             "tensor": self.ici_tensor_parallelism,
+            "expert": self.ici_expert_parallelism,
         }
+
+    @property
+    def num_slices(self) -> int:
+        """Slices the mesh spans (DCN): `dcn_data_parallelism x dcn_pipeline_parallelism`."""
+        return self.dcn_data_parallelism * self.dcn_pipeline_parallelism
 
     @property
     def pipeline_flop_overhead(self) -> float:
@@ -161,11 +179,22 @@ def _derive(cfg: Config) -> dict[str, Any]:
     if microbatches == -1:
         microbatches = stages * delay
     per_stage = cfg.num_layers_per_pipeline_stage
+    n_layers = cfg.base_num_decoder_layers
+    # The first P layers run in the pipeline, the other N - P after it (scanned, not pipelined).
+    pipelined = n_layers
+    if stages > 1 and cfg.pipeline_parallel_layers != -1:
+        pipelined = cfg.pipeline_parallel_layers
     repeats = cfg.num_pipeline_repeats
     if repeats == -1:
-        repeats = max(cfg.base_num_decoder_layers // max(stages * per_stage, 1), 1)
+        repeats = max(pipelined // max(stages * per_stage, 1), 1)
     devices = math.prod(
-        (cfg.ici_data_parallelism, stages, cfg.ici_fsdp_parallelism, cfg.ici_tensor_parallelism)
+        (
+            cfg.ici_data_parallelism * cfg.dcn_data_parallelism,
+            stages,
+            cfg.ici_fsdp_parallelism,
+            cfg.ici_tensor_parallelism,
+            cfg.ici_expert_parallelism,
+        )
     )
     global_batch = cfg.per_device_batch_size * devices
     global_batch_int = round(global_batch) if float(global_batch).is_integer() else 0
@@ -176,6 +205,8 @@ def _derive(cfg: Config) -> dict[str, Any]:
         num_repeats=repeats,
         layers_per_stage=per_stage,
         forwarding_delay=delay,
+        num_pipelined_layers=pipelined,
+        num_layers_after_pipeline=n_layers - pipelined,
         num_devices=devices,
         global_batch_size=global_batch_int,
         microbatch_size=global_batch_int // microbatches if microbatches > 0 else 0,
@@ -257,15 +288,34 @@ def _violations(cfg: Config) -> list[str]:
         f"per_device_batch_size={cfg.per_device_batch_size} x {cfg.num_devices} devices: "
         "the global batch must be a positive integer",
     )
-    batch_shards = cfg.ici_data_parallelism * cfg.ici_fsdp_parallelism
+    batch_shards = cfg.mesh_shape["data"] * cfg.ici_fsdp_parallelism
     if cfg.global_batch_size > 0:
         need(
             cfg.global_batch_size % batch_shards == 0,
             f"global batch {cfg.global_batch_size} (per_device_batch_size="
-            f"{cfg.per_device_batch_size} x {cfg.num_devices} devices), ici_data_parallelism="
-            f"{cfg.ici_data_parallelism}, ici_fsdp_parallelism={cfg.ici_fsdp_parallelism}: "
+            f"{cfg.per_device_batch_size} x {cfg.num_devices} devices), {_data_txt(cfg)}, "
+            f"ici_fsdp_parallelism={cfg.ici_fsdp_parallelism}: "
             "the batch must be divisible by data x fsdp",
         )
+    need(
+        cfg.num_experts_per_tok <= cfg.num_experts,
+        f"num_experts_per_tok={cfg.num_experts_per_tok}, num_experts={cfg.num_experts}: "
+        "a token cannot be routed to more experts than there are",
+    )
+    need(
+        cfg.num_experts % cfg.ici_expert_parallelism == 0,
+        f"num_experts={cfg.num_experts}, ici_expert_parallelism={cfg.ici_expert_parallelism}: "
+        "the experts must split evenly over the expert axis",
+    )
+    need(
+        cfg.load_balance_loss_weight >= 0,
+        f"load_balance_loss_weight={cfg.load_balance_loss_weight}: must be >= 0 (0 disables)",
+    )
+    need(
+        not (cfg.pipeline_fsdp_ag_once and cfg.pipeline_fsdp_ag_per_repeat),
+        "pipeline_fsdp_ag_once=true, pipeline_fsdp_ag_per_repeat=true: pick one all-gather "
+        "mode of the stage weights (once per run, or once per circular repeat)",
+    )
 
     for rule_name, target in cfg.logical_axis_rules[: bounds.MAX_RULES]:
         axes = target if isinstance(target, tuple) else (target,)
@@ -286,6 +336,16 @@ def _violations(cfg: Config) -> list[str]:
     if cfg.using_pipeline:
         out.extend(_pipeline_violations(cfg))
     return out
+
+
+def _data_txt(cfg: Config) -> str:
+    """The data axis and what it is made of (ICI within a slice, DCN across slices)."""
+    if cfg.dcn_data_parallelism == 1:
+        return f"ici_data_parallelism={cfg.ici_data_parallelism}"
+    return (
+        f"data={cfg.mesh_shape['data']} (ici_data_parallelism={cfg.ici_data_parallelism} x "
+        f"dcn_data_parallelism={cfg.dcn_data_parallelism})"
+    )
 
 
 def _rule_axes(cfg: Config, logical_name: str) -> tuple[str, ...]:
@@ -319,12 +379,21 @@ def _pipeline_violations(cfg: Config) -> list[str]:
             "must be positive, or -1 for num_decoder_layers / (S*L)"
         )
         return out
-    if s * n_layers * r != cfg.base_num_decoder_layers:
+    p, n = cfg.pipeline_parallel_layers, cfg.base_num_decoder_layers
+    if p != -1 and not 0 < p <= n:
+        out.append(
+            f"pipeline_parallel_layers={p}, base_num_decoder_layers={n}: the pipelined layers "
+            "must be -1 (all) or 1..base_num_decoder_layers"
+        )
+        return out
+    if s * n_layers * r != cfg.num_pipelined_layers:
+        pipelined_key = "base_num_decoder_layers" if p == -1 else "pipeline_parallel_layers"
         out.append(
             f"{stages_txt}, num_layers_per_pipeline_stage={n_layers}, "
             f"num_pipeline_repeats={cfg.num_pipeline_repeats} (R={r}), "
-            f"base_num_decoder_layers={cfg.base_num_decoder_layers}: "
-            "need S*L*R == base_num_decoder_layers"
+            f"base_num_decoder_layers={n}"
+            + ("" if p == -1 else f", pipeline_parallel_layers={p}")
+            + f": need S*L*R == {pipelined_key}"
         )
     if m % s != 0:
         out.append(
@@ -343,12 +412,11 @@ def _pipeline_violations(cfg: Config) -> list[str]:
             f"num_pipeline_microbatches={m}: the batch must be divisible by M"
         )
     elif cfg.microbatch_size > 0:
-        shards = cfg.ici_data_parallelism * cfg.ici_fsdp_parallelism
+        shards = cfg.mesh_shape["data"] * cfg.ici_fsdp_parallelism
         if cfg.microbatch_size % shards != 0:
             out.append(
                 f"microbatch size {cfg.microbatch_size} (global batch "
-                f"{cfg.global_batch_size} / M={m}), ici_data_parallelism="
-                f"{cfg.ici_data_parallelism}, ici_fsdp_parallelism="
+                f"{cfg.global_batch_size} / M={m}), {_data_txt(cfg)}, ici_fsdp_parallelism="
                 f"{cfg.ici_fsdp_parallelism}: each microbatch must split over data x fsdp"
             )
     return out

@@ -31,6 +31,7 @@ LAYOUT_KEYS = (
     "num_layers_per_pipeline_stage",
     "num_pipeline_repeats",
     "scan_layers_per_stage",
+    "pipeline_parallel_layers",
 )
 # Keys that fix the parameters' shapes; recorded to explain a mismatch.
 MODEL_KEYS = (
@@ -42,6 +43,8 @@ MODEL_KEYS = (
     "base_num_decoder_layers",
     "vocab_size",
     "weight_dtype",
+    "logits_via_embedding",
+    "num_experts",
 )
 REQUIRED = (
     "format",
@@ -78,7 +81,7 @@ def _int_in(x: Any, low: int, high: int) -> bool:
 
 def _key_problem(where: str, key: str, value: Any) -> str | None:
     """A recorded config key's value against the config's own type and bounds."""
-    if key == "scan_layers_per_stage":
+    if key in ("scan_layers_per_stage", "logits_via_embedding"):
         return None if isinstance(value, bool) else f"{where}: expected true or false"
     if key == "weight_dtype":
         return None if value in DTYPES else f"{where}: expected one of {', '.join(DTYPES)}"
@@ -207,6 +210,7 @@ REFERENCE_KEYS = {
     "num_layers_per_pipeline_stage": 1,
     "num_pipeline_repeats": -1,
     "scan_layers_per_stage": False,
+    "pipeline_parallel_layers": -1,
 }
 
 

@@ -18,7 +18,7 @@ from migrate.linen.decoder import Decoder
 def test_mesh_has_the_config_axes():
     cfg = tiny("llama2-tiny")
     mesh = sharding.make_mesh(cfg)
-    assert dict(mesh.shape) == {"data": 1, "stage": 4, "fsdp": 2, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 1, "stage": 4, "fsdp": 2, "tensor": 1, "expert": 1}
 
 
 def test_too_few_devices_says_how_many_and_how_to_simulate():
