@@ -4,7 +4,7 @@ memory this machine has before any weight is allocated.
 The bound counts only what certainly exists at once, each array once (no replication):
 
 - `parameters`: every weight of the decoder (embedding, per layer attention q/k/v/out, MLP
-  wi_0/wi_1/wo and two norms, final norm, logits kernel) in `weight_dtype`;
+  wi_0/wi_1/wo and two norms, final norm, logits kernel unless tied) in `weight_dtype`;
 - `optimizer`: AdamW's two moments (the parameters' dtype, as optax keeps them);
 - `gradients`: one gradient per parameter;
 - `activations`: the float32 logits of one step and the embedded tokens, and one layer's
@@ -40,7 +40,8 @@ def parameter_count(cfg: Config) -> int:
     e, f, n, v = cfg.base_emb_dim, cfg.base_mlp_dim, cfg.base_num_decoder_layers, cfg.vocab_size
     attention = e * cfg.head_dim * (2 * cfg.base_num_query_heads + 2 * cfg.base_num_kv_heads)
     per_layer = attention + 3 * e * f + 2 * e  # q, o; k, v; wi_0, wi_1, wo; two norms
-    return 2 * v * e + e + n * per_layer  # embedding, logits kernel, final norm, layers
+    tables = 1 if cfg.logits_via_embedding else 2  # embedding (and an untied logits kernel)
+    return tables * v * e + e + n * per_layer  # tables, final norm, layers
 
 
 @dataclasses.dataclass(frozen=True)
