@@ -506,3 +506,61 @@ def test_issue_12_kinds_are_caught_on_other_configs(bug, monkeypatch, fresh_nnx,
     where = failing(report)
     assert set(where) == {check}, where
     assert place in where[check], where[check]
+
+
+# ------------------------------------------------------------------ issue 16: weight tying
+# Bugs of a tied head (`logits_via_embedding: true`) on llama2-tiny-tied.
+
+TINY_TIED = str(CONFIG_DIR / "llama2-tiny-tied.yml")
+
+
+def tied_head_without_gradient(monkeypatch):
+    """The NNX head reads the table through `stop_gradient`: the logits are unchanged, but the
+    embedding's gradient loses the head's share and keeps only the lookup's."""
+
+    def attend(self, x):
+        dtype = numerics.activation_dtype(self.config)
+        table = jax.lax.stop_gradient(self.embedding[...])
+        return jnp.tensordot(
+            x.astype(dtype),
+            table.astype(dtype),
+            axes=((x.ndim - 1,), (1,)),
+            precision=numerics.precision(self.config),
+        )
+
+    monkeypatch.setattr(nnx_layers.Embed, "attend", attend)
+
+
+def untied_head_on_one_side(monkeypatch):
+    """The NNX decoder ignores `logits_via_embedding`: it builds (and uses) its own
+    `logits_dense` head where Linen ties the head to the embedding."""
+    import migrate.nnx.decoder as nnx_decoder
+
+    original = nnx_decoder.Decoder.__init__
+
+    def init(self, config, *args, **kwargs):
+        original(self, config.replace(logits_via_embedding=False), *args, **kwargs)
+
+    monkeypatch.setattr(nnx_decoder.Decoder, "__init__", init)
+
+
+def test_a_tied_head_without_the_logits_gradient_fails_grads_at_the_embedding(
+    monkeypatch, fresh_nnx, tmp_path
+):
+    tied_head_without_gradient(monkeypatch)
+    status, report = run_cli(tmp_path, TINY_TIED, "--checks=forward,grads")
+    assert status == cli.EXIT_FAIL
+    where = failing(report)
+    assert set(where) == {"grads"}, where  # forward values are untouched
+    assert "grads/params/token_embedder/embedding" in where["grads"], where["grads"]
+
+
+def test_an_untied_head_on_one_side_fails_init_at_the_logits_kernel(
+    monkeypatch, fresh_nnx, tmp_path
+):
+    untied_head_on_one_side(monkeypatch)
+    status, report = run_cli(tmp_path, TINY_TIED, "--checks=init")
+    assert status == cli.EXIT_FAIL
+    where = failing(report)
+    assert set(where) == {"init"}, where
+    assert "logits_dense/kernel" in where["init"], where["init"]
