@@ -216,6 +216,13 @@ def _check_processes(cfg: Config) -> None:
         raise BadInput(
             f"--num_processes={processes} does not divide the mesh's {cfg.num_devices} devices"
         )
+    per_process, per_slice = cfg.num_devices // processes, cfg.num_devices // cfg.num_slices
+    if processes > 1 and per_slice % per_process and per_process % per_slice:
+        raise BadInput(
+            f"--num_processes={processes} ({per_process} devices each) and {cfg.num_slices} "
+            f"slices of {per_slice} devices (dcn_data_parallelism x dcn_pipeline_parallelism): "
+            "a process must hold whole slices, or a slice whole processes (hosts)"
+        )
     if processes > 1 and FLAGS.process_id is None and FLAGS.coordinator_address is None:
         if processes > MAX_LOCAL_PROCESSES:
             raise BadInput(
