@@ -144,3 +144,17 @@ def test_dcn_data_variant_passes_pipeline_and_compile(tmp_path):
     tensors = {r["tensor"] for r in compile_check["details"]}
     assert {f"slices: stage {k}" for k in range(4)} <= tensors
     assert "loop body forward (nnx): permute hops across slices" in tensors
+
+
+def test_processes_that_split_slices_unevenly_are_refused(capsys):
+    """A slice is whole hosts: 6 slices of 2 devices over 4 processes of 3 is refused (exit 2)
+    before anything starts; 2 slices of 4 over 4 processes of 2 is fine."""
+    config = str(CONFIG_DIR / f"{MULTISLICE}.yml")
+    uneven = ("dcn_data_parallelism=3", "ici_data_parallelism=1", "per_device_batch_size=3")
+    args = ("num_pipeline_microbatches=4", "--num_processes=4", "--dry_run")
+    assert run_in_process(config, *uneven, *args) == cli.EXIT_USAGE
+    assert "a process must hold whole slices, or a slice whole processes" in capsys.readouterr().err
+    assert run_in_process(config, "--num_processes=4", "--dry_run") == cli.EXIT_PASS
+    assert "(2 slices of 4: dcn_data_parallelism=1 x dcn_pipeline_parallelism=2)" in (
+        capsys.readouterr().out
+    )
