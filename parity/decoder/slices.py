@@ -23,7 +23,8 @@ DIRECTIONS = ("forward", "backward")
 
 
 def device_slices(cfg: Config, mesh: Mesh) -> np.ndarray:
-    """The slice of the device at each mesh position (an int array of the mesh's shape)."""
+    """The slice of the device at each mesh position (an int array of the mesh's shape), for
+    a mesh over the devices `make_mesh` takes by default (the first `cfg.num_devices`)."""
     of = sharding.slice_of_device(cfg, jax.devices()[: cfg.num_devices])
     return np.vectorize(lambda d: of[d.id], otypes=[int])(mesh.devices)
 
