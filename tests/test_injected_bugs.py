@@ -564,3 +564,48 @@ def test_an_untied_head_on_one_side_fails_init_at_the_logits_kernel(
     where = failing(report)
     assert set(where) == {"init"}, where
     assert "logits_dense/kernel" in where["init"], where["init"]
+
+
+# ------------------------------------------------------------------ multi-slice (issue 16)
+# The NNX port builds its mesh the way NNX's examples do, `jax.make_mesh` over the mesh's
+# sizes (ici x dcn per axis), instead of MaxText's hybrid mesh: the devices in order,
+# reshaped, with no grouping into slices. The values cannot show it (the same arithmetic on
+# other devices); on a multi-slice mesh with data parallelism inside each slice, the weights
+# land on devices laid out data-major, so the stages no longer sit in their slices.
+MULTISLICE = str(CONFIG_DIR / "llama2-tiny-multislice.yml")
+
+
+def mesh_without_slices(monkeypatch):
+    """The NNX decoder built and placed on `jax.make_mesh(ici x dcn sizes)`."""
+    from jax.sharding import AxisType
+
+    import migrate.nnx.decoder as nnx_decoder
+    from migrate.config import MESH_AXES
+
+    original = nnx_decoder.init_model
+
+    def init_model(cfg, mesh, *args, **kwargs):
+        sizes = tuple(cfg.mesh_shape[a] for a in MESH_AXES)
+        flat = jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+        return original(cfg, flat, *args, **kwargs)
+
+    monkeypatch.setattr(nnx_decoder, "init_model", init_model)
+
+
+def test_mesh_without_slices_is_caught_on_the_multislice_config(monkeypatch, fresh_nnx, tmp_path):
+    """Caught by `sharding`, on the first parameter, with the device order it landed on; on a
+    one-slice config the same code is no bug (its mesh is the devices in order) and passes."""
+    mesh_without_slices(monkeypatch)
+    status, report = run_cli(tmp_path, MULTISLICE, "--checks=sharding")
+    assert status == cli.EXIT_FAIL
+    where = failing(report)
+    assert set(where) == {"sharding"}, where
+    assert where["sharding"] == "decoder_norm/scale: placed"
+    (check,) = report["checks"]
+    placed = [r for r in check["details"] if r["tensor"].endswith(": placed")]
+    assert placed and not any(r["passed"] for r in placed)  # every parameter, on either mesh
+    assert all("on mesh devices [0, 1, 2, 3, 4, 5, 6, 7]" in r["nnx"] for r in placed)
+    assert all("on mesh devices" not in r["linen"] for r in placed)
+
+    status, report = run_cli(tmp_path, TINY, "--checks=sharding")
+    assert status == cli.EXIT_PASS, failing(report)

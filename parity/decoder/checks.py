@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from migrate.config import Config
 from parity import compare, hlo
-from parity.decoder import cost
+from parity.decoder import cost, slices
 from parity.decoder.session import BUBBLE_POISON, DecoderPair
 from parity.engine import checks as engine_checks
 from parity.engine import programs
@@ -135,6 +135,8 @@ def compile_cost(pair: DecoderPair) -> CheckResult:
         )
     outside, outside_summary = outside_loop_records(dict(mesh.shape), linen_cost, nnx_cost)
     records += outside
+    slice_records, slice_summary = slices.records(cfg, mesh, linen_cost, nnx_cost)
+    records += slice_records
     failing = [r for r in records if not r["passed"]]
     # The worst of what is gated: compile time and bytes accessed are reported, not held;
     # loop-body counts are gated against their own minimum.
@@ -160,6 +162,7 @@ def compile_cost(pair: DecoderPair) -> CheckResult:
     )
     per_device += "; same optimised program" if same_program else "; programs differ"
     per_device += f"; {loop_summary}; {outside_summary}"
+    per_device += f"; {slice_summary}" if slice_summary else ""
     return CheckResult(
         name="compile",
         passed=not failing,
