@@ -192,7 +192,8 @@ class Pipeline(nn.Module):
         return loop_state, history
 
     def run_stages(self, weights, stage_inputs, stage_positions, repeat_ids) -> jax.Array:
-        """Every stage applies its layers (for its current repeat) to its input, in parallel;
+        """Every stage applies its layers (for its current repeat: `repeat_ids` index the
+        leading axis of `weights`, all R repeats or a window of them) to its input, in parallel;
         on fsdp x tensor meshes with that repeat's weights gathered over `fsdp` for the visit
         (`sharding.stage_weights_need_gathering`)."""
         cfg = self.config
@@ -271,8 +272,7 @@ class Pipeline(nn.Module):
             return new_state, (stage_outputs if trace else None)
 
         policy = numerics.remat_policy(cfg)
-        remat = cfg.set_remat_policy_on_pipeline_iterations and policy is not None
-        if remat:
+        if cfg.set_remat_policy_on_pipeline_iterations and policy is not None:
             iteration = jax.checkpoint(
                 iteration, policy=policy, prevent_cse=not cfg.scan_pipeline_iterations
             )
