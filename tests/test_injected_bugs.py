@@ -609,3 +609,55 @@ def test_mesh_without_slices_is_caught_on_the_multislice_config(monkeypatch, fre
 
     status, report = run_cli(tmp_path, TINY, "--checks=sharding")
     assert status == cli.EXIT_PASS, failing(report)
+
+
+# ================================================================== issue 16: ag per repeat
+# `pipeline_fsdp_ag_per_repeat` bugs in the NNX twin, on llama2-tiny-agrepeat (R = 3: the
+# window moves). bug, checks to run, {failing check: text its `where` must contain}
+TINY_AGREPEAT = str(CONFIG_DIR / "llama2-tiny-agrepeat.yml")
+
+
+def window_one_repeat_late(monkeypatch):
+    """Each block's weight window starts at repeat b instead of b - 1: a stage still finishing
+    repeat b - 1 (its first d*s iterations of the block) runs repeat b's weights."""
+    wrong = types.SimpleNamespace(**vars(nnx_pipeline.schedule))
+    wrong.window_start = lambda cfg, block: jnp.clip(block, 0, cfg.num_repeats - 2)
+    monkeypatch.setattr(nnx_pipeline, "schedule", wrong)
+
+
+def window_not_gathered(monkeypatch):
+    """The window sliced but never constrained: the same values, left to XLA, which gathers
+    the weights over fsdp in every iteration (the per-iteration mode's traffic)."""
+
+    def all_gather_window(self, weights, start, length):
+        return jax.tree.map(
+            lambda w: jax.lax.dynamic_slice_in_dim(w, start, length, axis=0), weights
+        )
+
+    monkeypatch.setattr(nnx_pipeline.Pipeline, "all_gather_window", all_gather_window)
+
+
+AG_PER_REPEAT_BUGS = [
+    (
+        window_one_repeat_late,
+        "forward,pipeline",
+        {"forward": "logits", "pipeline": "nnx/", "layers": "iteration 8/stage 1"},
+    ),
+    (
+        window_not_gathered,
+        "compile",
+        {"compile": "loop body forward: all-gather over fsdp (ag-per-repeat)"},
+    ),
+]
+
+
+@pytest.mark.parametrize("bug", AG_PER_REPEAT_BUGS, ids=[b[0].__name__ for b in AG_PER_REPEAT_BUGS])
+def test_ag_per_repeat_bugs_are_caught(bug, monkeypatch, fresh_nnx, tmp_path):
+    inject, selected, expected = bug
+    inject(monkeypatch)
+    status, report = run_cli(tmp_path, TINY_AGREPEAT, f"--checks={selected}")
+    assert status == cli.EXIT_FAIL
+    where = failing(report)
+    assert set(where) == set(expected), where
+    for check, place in expected.items():
+        assert place in where[check], (check, where[check])

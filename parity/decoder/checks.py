@@ -220,15 +220,29 @@ def loop_body_records(
                     "passed": excess <= 0,
                 }
             )
-        if cfg.pipeline_fsdp_ag_once:
+        if cfg.pipeline_fsdp_ag_once or cfg.pipeline_fsdp_ag_per_repeat:
+            mode = "ag-once" if cfg.pipeline_fsdp_ag_once else "ag-per-repeat"
             seen = {fw: c.fsdp_all_gathers[direction] for fw, c in counts.items()}
             records.append(
                 {
-                    "tensor": f"loop body {direction}: all-gather over fsdp (ag-once)",
+                    "tensor": f"loop body {direction}: all-gather over fsdp ({mode})",
                     **seen,
                     "minimum": 0,
                     "max_rel": float(max(seen.values())),
                     "passed": not any(seen.values()),
+                }
+            )
+        if cfg.pipeline_fsdp_ag_per_repeat and cfg.ici_fsdp_parallelism > 1:
+            # The window's gather must stay in the repeat loop: hoisted before it, all R
+            # repeats are gathered at once (ag-once's memory).
+            seen = {fw: c.repeat_fsdp_all_gathers[direction] for fw, c in counts.items()}
+            records.append(
+                {
+                    "tensor": f"repeat body {direction}: all-gather over fsdp (ag-per-repeat)",
+                    **seen,
+                    "minimum": 1,
+                    "max_rel": float(min(seen.values()) < 1),
+                    "passed": min(seen.values()) >= 1 and len(set(seen.values())) == 1,
                 }
             )
         records.append(
