@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from migrate import axes, numerics, sharding
+from migrate import axes, numerics, placement, sharding
 from migrate.config import Config
 from migrate.linen.layers import DecoderLayer, DenseGeneral, Embed, RMSNorm
 from migrate.linen.pipeline import Pipeline, scan_layers
@@ -19,7 +19,9 @@ from migrate.linen.pipeline import Pipeline, scan_layers
 
 class Decoder(nn.Module):
     """llama2-style decoder. `use_pipeline=None` follows the config (pipeline when S > 1);
-    `False` gives the non-pipelined reference, all layers stacked on one `layers` axis."""
+    `False` gives the non-pipelined reference, all layers stacked on one `layers` axis. With a
+    pipelined subset (`pipeline_parallel_layers`) the layers after the first P run after the
+    pipeline, scanned, as `layers_after_pipeline` (`migrate.placement`)."""
 
     config: Config
     mesh: Mesh
@@ -45,13 +47,19 @@ class Decoder(nn.Module):
                 x = nn.with_logical_constraint(
                     x, axes.LOGITS_BATCH_LENGTH_EMBED, rules=rules, mesh=self.mesh
                 )
+            if placement.has_layers_after_pipeline(cfg):
+                x = self.scanned_layers(
+                    x,
+                    positions,
+                    sharding.after_pipeline_config(cfg),
+                    axes.LAYERS_AFTER_PIPELINE,
+                    cfg.num_layers_after_pipeline,
+                    axes.LAYERS_AFTER_PIPELINE,
+                )
         else:
-            layer_cls = DecoderLayer
-            policy = numerics.remat_policy(cfg)
-            if policy is not None:
-                layer_cls = nn.remat(DecoderLayer, policy=policy, prevent_cse=False)
-            layer = layer_cls(cfg, self.mesh, name="layers")
-            x = scan_layers(layer, x, positions, cfg.base_num_decoder_layers, axes.REFERENCE_LAYERS)
+            x = self.scanned_layers(
+                x, positions, cfg, "layers", cfg.base_num_decoder_layers, axes.REFERENCE_LAYERS
+            )
         x = RMSNorm(cfg, name="decoder_norm")(x)
         logits = DenseGeneral(
             (cfg.base_emb_dim,), (cfg.vocab_size,), axes.LOGITS_KERNEL, cfg, name="logits_dense"
@@ -61,6 +69,24 @@ class Decoder(nn.Module):
             logits, axes.LOGITS_BATCH_LENGTH_VOCAB, rules=rules, mesh=self.mesh
         )
 
+    def scanned_layers(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        layer_cfg: Config,
+        name: str,
+        count: int,
+        axis_name: str,
+    ) -> jax.Array:
+        """`count` decoder layers named `name`, weights stacked on `axis_name`, scanned (remat
+        per layer as the config's policy says)."""
+        layer_cls = DecoderLayer
+        policy = numerics.remat_policy(layer_cfg)
+        if policy is not None:
+            layer_cls = nn.remat(DecoderLayer, policy=policy, prevent_cse=False)
+        layer = layer_cls(layer_cfg, self.mesh, name=name)
+        return scan_layers(layer, x, positions, count, axis_name)
+
 
 def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Token-mean cross entropy: microbatching cannot change its scale."""
@@ -68,9 +94,17 @@ def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def param_shardings(abstract_variables, mesh: Mesh, cfg: Config):
-    """NamedSharding per leaf from the LogicallyPartitioned boxes (Linen's resolver)."""
-    logical = nn.get_partition_spec(abstract_variables)
-    return nn.logical_to_mesh_sharding(logical, mesh, sharding.logical_rules(cfg))
+    """NamedSharding per leaf from the LogicallyPartitioned boxes (Linen's resolver; a dim the
+    mesh axes do not divide replicated: `sharding.fitted_sharding`)."""
+    rules = sharding.logical_rules(cfg)
+
+    def resolve(leaf):
+        names = leaf.names if isinstance(leaf, nn.LogicallyPartitioned) else ()
+        return sharding.fitted_sharding(tuple(names), tuple(nn.meta.unbox(leaf).shape), mesh, rules)
+
+    return jax.tree.map(
+        resolve, abstract_variables, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)
+    )
 
 
 def init_variables(model: Decoder, tokens: jax.Array, seed: int | None = None):

@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from migrate import axes, numerics, sharding
+from migrate import axes, numerics, placement, sharding
 from migrate.config import Config
 from migrate.nnx.layers import DecoderLayer, DenseGeneral, Embed, RMSNorm
 from migrate.nnx.pipeline import Pipeline, scan_layers, stack_modules
@@ -21,7 +21,9 @@ from migrate.nnx.pipeline import Pipeline, scan_layers, stack_modules
 
 class Decoder(nnx.Module):
     """llama2-style decoder. `use_pipeline=None` follows the config (pipeline when S > 1);
-    `False` gives the non-pipelined reference, all layers stacked on one `layers` axis."""
+    `False` gives the non-pipelined reference, all layers stacked on one `layers` axis. With a
+    pipelined subset (`pipeline_parallel_layers`) the layers after the first P run after the
+    pipeline, scanned, as `layers_after_pipeline` (`migrate.placement`)."""
 
     def __init__(
         self,
@@ -38,6 +40,14 @@ class Decoder(nnx.Module):
         self.token_embedder = Embed(cfg, rngs=rngs)
         if self.pipelined:
             self.pipeline = Pipeline(cfg, mesh, bubble_fill, rngs=rngs)
+            if placement.has_layers_after_pipeline(cfg):
+                after_cfg = sharding.after_pipeline_config(cfg)
+                self.layers_after_pipeline = stack_modules(
+                    lambda r: DecoderLayer(after_cfg, mesh, rngs=r),
+                    cfg.num_layers_after_pipeline,
+                    axes.LAYERS_AFTER_PIPELINE,
+                    rngs,
+                )
         else:
             self.layers = stack_modules(
                 lambda r: DecoderLayer(cfg, mesh, rngs=r),
@@ -61,6 +71,11 @@ class Decoder(nnx.Module):
             x = self.pipeline(x, positions)
             with jax.named_scope(axes.OUT_OF_PIPELINE):
                 x = sharding.constrain(x, axes.LOGITS_BATCH_LENGTH_EMBED, self.mesh, rules)
+            if placement.has_layers_after_pipeline(cfg):
+                after_cfg = sharding.after_pipeline_config(cfg)
+                x = scan_layers(
+                    self.layers_after_pipeline, x, positions, numerics.remat_policy(after_cfg)
+                )
         else:
             x = scan_layers(self.layers, x, positions, numerics.remat_policy(cfg))
         x = self.decoder_norm(x)
@@ -75,11 +90,13 @@ def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def param_shardings(abstract_state: nnx.State, mesh: Mesh, cfg: Config) -> nnx.State:
-    """NamedSharding per Variable from its `out_sharding` names (Linen's resolver)."""
+    """NamedSharding per Variable from its `out_sharding` names (Linen's resolver; a dim the
+    mesh axes do not divide replicated: `sharding.fitted_sharding`)."""
+    rules = sharding.logical_rules(cfg)
 
     def resolve(variable: nnx.Variable) -> NamedSharding:
         names = variable.get_metadata().get("out_sharding") or ()
-        return sharding.named_sharding(tuple(names), mesh, sharding.logical_rules(cfg))
+        return sharding.fitted_sharding(tuple(names), tuple(variable.shape), mesh, rules)
 
     return jax.tree.map(resolve, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
