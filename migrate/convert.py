@@ -330,7 +330,7 @@ def linen_pipeline_to_reference(variables: Mapping[str, Any], cfg: Config) -> di
         )
     arrays, names = strip_boxes(params["pipeline"]["layers"])
     after = params.get(axes.LAYERS_AFTER_PIPELINE)
-    after_arrays = None if after is None else strip_boxes(after)[0]
+    after_arrays = None if after is None else strip_boxes(after["layers"])[0]
     ref_arrays = layout.join_reference(arrays, after_arrays, cfg)
     some_slot = next(iter(names.values()))
     ref_names = _map_names(lambda n: layout.pipeline_names_to_reference(n, cfg), some_slot)
@@ -354,7 +354,7 @@ def linen_reference_to_pipeline(variables: Mapping[str, Any], cfg: Config) -> di
     out = _replace_subtree(params, "layers", "pipeline", {"layers": stages})
     if after_arrays is not None:
         after_names = _map_names(layout.reference_names_to_after_pipeline, names)
-        out[axes.LAYERS_AFTER_PIPELINE] = restore_boxes(after_arrays, after_names)
+        out[axes.LAYERS_AFTER_PIPELINE] = {"layers": restore_boxes(after_arrays, after_names)}
     return {**variables, "params": out}
 
 

@@ -170,8 +170,8 @@ def _layer_path(path: Path_, spec: Spec) -> Path_ | None:
     """The path inside one layer of a stacked decoder-layer weight, or None for other weights."""
     if spec.use_pipeline and path[:2] == ("pipeline", "layers"):
         return path[3:]
-    if spec.use_pipeline and path[0] == axes.LAYERS_AFTER_PIPELINE:
-        return path[1:]
+    if spec.use_pipeline and path[:2] == (axes.LAYERS_AFTER_PIPELINE, "layers"):
+        return path[2:]
     if not spec.use_pipeline and path[0] == "layers":
         return path[1:]
     return None
@@ -201,7 +201,8 @@ def _relayout_tree(
             variables = {"params": {"pipeline": {"layers": slots}}}
             after = [p for p in members if p[0] == axes.LAYERS_AFTER_PIPELINE]
             if after:
-                variables["params"][axes.LAYERS_AFTER_PIPELINE] = {"w": flat.pop(after[0])}
+                after_layers = {"layers": {"w": flat.pop(after[0])}}
+                variables["params"][axes.LAYERS_AFTER_PIPELINE] = after_layers
             del slots
         else:
             variables = {"params": {"layers": {"w": flat.pop(members[0])}}}

@@ -48,18 +48,10 @@ class Decoder(nn.Module):
                     x, axes.LOGITS_BATCH_LENGTH_EMBED, rules=rules, mesh=self.mesh
                 )
             if placement.has_layers_after_pipeline(cfg):
-                x = self.scanned_layers(
-                    x,
-                    positions,
-                    sharding.after_pipeline_config(cfg),
-                    axes.LAYERS_AFTER_PIPELINE,
-                    cfg.num_layers_after_pipeline,
-                    axes.LAYERS_AFTER_PIPELINE,
-                )
+                x = LayersAfterPipeline(cfg, self.mesh, name="layers_after_pipeline")(x, positions)
         else:
-            x = self.scanned_layers(
-                x, positions, cfg, "layers", cfg.base_num_decoder_layers, axes.REFERENCE_LAYERS
-            )
+            layer = remat_layer(cfg)(cfg, self.mesh, name="layers")
+            x = scan_layers(layer, x, positions, cfg.base_num_decoder_layers, axes.REFERENCE_LAYERS)
         x = RMSNorm(cfg, name="decoder_norm")(x)
         logits = DenseGeneral(
             (cfg.base_emb_dim,), (cfg.vocab_size,), axes.LOGITS_KERNEL, cfg, name="logits_dense"
@@ -69,23 +61,29 @@ class Decoder(nn.Module):
             logits, axes.LOGITS_BATCH_LENGTH_VOCAB, rules=rules, mesh=self.mesh
         )
 
-    def scanned_layers(
-        self,
-        x: jax.Array,
-        positions: jax.Array,
-        layer_cfg: Config,
-        name: str,
-        count: int,
-        axis_name: str,
-    ) -> jax.Array:
-        """`count` decoder layers named `name`, weights stacked on `axis_name`, scanned (remat
-        per layer as the config's policy says)."""
-        layer_cls = DecoderLayer
-        policy = numerics.remat_policy(layer_cfg)
-        if policy is not None:
-            layer_cls = nn.remat(DecoderLayer, policy=policy, prevent_cse=False)
-        layer = layer_cls(layer_cfg, self.mesh, name=name)
-        return scan_layers(layer, x, positions, count, axis_name)
+
+def remat_layer(cfg: Config) -> type[nn.Module]:
+    """`DecoderLayer`, rematerialised per layer as the config's policy says."""
+    policy = numerics.remat_policy(cfg)
+    if policy is None:
+        return DecoderLayer
+    return nn.remat(DecoderLayer, policy=policy, prevent_cse=False)
+
+
+class LayersAfterPipeline(nn.Module):
+    """The N - P layers after a pipelined subset (`migrate.placement`), scanned, on the batch
+    split over stages too (`sharding.after_pipeline_config`)."""
+
+    config: Config
+    mesh: Mesh
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array, trace: bool = False):
+        """`[B, T, E] -> [B, T, E]`; with `trace`, also every layer's output `[N-P, B, T, E]`."""
+        cfg = sharding.after_pipeline_config(self.config)
+        layer = remat_layer(cfg)(cfg, self.mesh, name="layers")
+        count = cfg.num_layers_after_pipeline
+        return scan_layers(layer, x, positions, count, axes.LAYERS_AFTER_PIPELINE, trace)
 
 
 def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:

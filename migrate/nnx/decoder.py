@@ -41,13 +41,7 @@ class Decoder(nnx.Module):
         if self.pipelined:
             self.pipeline = Pipeline(cfg, mesh, bubble_fill, rngs=rngs)
             if placement.has_layers_after_pipeline(cfg):
-                after_cfg = sharding.after_pipeline_config(cfg)
-                self.layers_after_pipeline = stack_modules(
-                    lambda r: DecoderLayer(after_cfg, mesh, rngs=r),
-                    cfg.num_layers_after_pipeline,
-                    axes.LAYERS_AFTER_PIPELINE,
-                    rngs,
-                )
+                self.layers_after_pipeline = LayersAfterPipeline(cfg, mesh, rngs=rngs)
         else:
             self.layers = stack_modules(
                 lambda r: DecoderLayer(cfg, mesh, rngs=r),
@@ -72,16 +66,31 @@ class Decoder(nnx.Module):
             with jax.named_scope(axes.OUT_OF_PIPELINE):
                 x = sharding.constrain(x, axes.LOGITS_BATCH_LENGTH_EMBED, self.mesh, rules)
             if placement.has_layers_after_pipeline(cfg):
-                after_cfg = sharding.after_pipeline_config(cfg)
-                x = scan_layers(
-                    self.layers_after_pipeline, x, positions, numerics.remat_policy(after_cfg)
-                )
+                x = self.layers_after_pipeline(x, positions)
         else:
             x = scan_layers(self.layers, x, positions, numerics.remat_policy(cfg))
         x = self.decoder_norm(x)
         logits = self.logits_dense(x)
         logits = logits.astype(jnp.float32)
         return sharding.constrain(logits, axes.LOGITS_BATCH_LENGTH_VOCAB, self.mesh, rules)
+
+
+class LayersAfterPipeline(nnx.Module):
+    """The N - P layers after a pipelined subset (`migrate.placement`), scanned, on the batch
+    split over stages too (`sharding.after_pipeline_config`)."""
+
+    def __init__(self, config: Config, mesh: Mesh, *, rngs: nnx.Rngs) -> None:
+        cfg = self.config = sharding.after_pipeline_config(config)
+        self.layers = stack_modules(
+            lambda r: DecoderLayer(cfg, mesh, rngs=r),
+            cfg.num_layers_after_pipeline,
+            axes.LAYERS_AFTER_PIPELINE,
+            rngs,
+        )
+
+    def __call__(self, x: jax.Array, positions: jax.Array, trace: bool = False):
+        """`[B, T, E] -> [B, T, E]`; with `trace`, also every layer's output `[N-P, B, T, E]`."""
+        return scan_layers(self.layers, x, positions, numerics.remat_policy(self.config), trace)
 
 
 def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
