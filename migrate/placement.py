@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from migrate import schedule
 from migrate.config import Config
 
 
@@ -45,15 +46,19 @@ def place(cfg: Config, layer: int) -> Placement:
     pipelined = cfg.num_pipelined_layers
     if layer >= pipelined:
         return Placement(layer, row_after_pipeline=layer - pipelined)
-    per_stage, stages = cfg.layers_per_stage, cfg.num_stages
-    visit, slot = divmod(layer, per_stage)
-    repeat, stage = divmod(visit, stages)
+    repeat, stage, slot = schedule.placement(cfg)[layer]  # PIPELINE.md's formula, for 0..P-1
     return Placement(layer, repeat=repeat, stage=stage, slot=slot)
 
 
 def placements(cfg: Config) -> list[Placement]:
     """Every layer's place, in data-flow order (global layer order)."""
-    return [place(cfg, i) for i in range(cfg.base_num_decoder_layers)]
+    if not cfg.using_pipeline:
+        return [Placement(i) for i in range(cfg.base_num_decoder_layers)]
+    pipelined, p = schedule.placement(cfg), cfg.num_pipelined_layers
+    return [
+        Placement(i, *pipelined[i]) if i < p else Placement(i, row_after_pipeline=i - p)
+        for i in range(cfg.base_num_decoder_layers)
+    ]
 
 
 def pipelined_rows(cfg: Config) -> slice:
