@@ -93,8 +93,11 @@ def reference_to_pipeline(reference: Tree, cfg: Config) -> dict:
     lead = _pipeline_lead(cfg)
     shape_rsl = (cfg.num_repeats, cfg.num_stages, cfg.layers_per_stage)
 
+    subset = placement.has_layers_after_pipeline(cfg)
+
     def split(leaf):
-        return leaf[placement.pipelined_rows(cfg)].reshape(*shape_rsl, *leaf.shape[1:])
+        rows = leaf[placement.pipelined_rows(cfg)] if subset else leaf  # no copy when all
+        return rows.reshape(*shape_rsl, *leaf.shape[1:])
 
     per_rsl = jax.tree.map(split, reference)
     if cfg.scan_layers_per_stage:
