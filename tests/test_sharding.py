@@ -207,7 +207,7 @@ def test_layers_after_the_pipeline_are_replicated_over_stages(overrides):
         is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding),
     )
     assert shardings and all(s.spec[0] is None for s in shardings)
-    assert sharding.logical_to_spec(wi.names, cfg.logical_axis_rules) == P(None, "fsdp", None)
+    assert sharding.logical_to_spec(wi.names, cfg.logical_axis_rules) == P(None, "fsdp", "tensor")
     after_rules = sharding.after_pipeline_config(cfg).logical_axis_rules
     assert sharding.logical_to_spec(
         axes.BATCH_LENGTH_EMBED, after_rules
