@@ -18,6 +18,10 @@ REFERENCE_LAYERS = "layers"  # the non-pipelined decoder: all layers on one axis
 STAGE = "layers"  # the pipeline's stage axis (mapped to the `stage` mesh axis by the rules)
 CIRCULAR_REPEATS = "circular_repeats"
 LAYERS_PER_STAGE = "layers_per_stage"
+# The layers after a pipelined subset (`pipeline_parallel_layers`): they run on every stage, on
+# the batch split over stages too, so their stacked axis is replicated (a remainder such as 5
+# does not divide the stage axis, and a layer sharded over stages would be gathered per use).
+LAYERS_AFTER_PIPELINE = "layers_after_pipeline"
 
 # Activations (and token batches, `[B, T]`).
 BATCH_LENGTH = ("activation_batch", "activation_length")

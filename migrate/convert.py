@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from migrate import layout
+from migrate import axes, layout
 from migrate.config import Config
 
 Names = tuple[str | None, ...]
@@ -321,35 +321,41 @@ def _map_names(fn, names: Any) -> Any:
 
 
 def linen_pipeline_to_reference(variables: Mapping[str, Any], cfg: Config) -> dict:
-    """Linen variables of the pipelined decoder -> those of the reference decoder (boxed)."""
+    """Linen variables of the pipelined decoder -> those of the reference decoder (boxed); the
+    layers after a pipelined subset follow the pipelined ones (`migrate.placement`)."""
     params = variables["params"]
     if "pipeline" not in params:
         raise layout.LayoutError(
             "no 'pipeline' subtree in the Linen params: not a pipelined decoder's variables"
         )
     arrays, names = strip_boxes(params["pipeline"]["layers"])
-    ref_arrays = layout.pipeline_to_reference(arrays, cfg)
+    after = params.get(axes.LAYERS_AFTER_PIPELINE)
+    after_arrays = None if after is None else strip_boxes(after["layers"])[0]
+    ref_arrays = layout.join_reference(arrays, after_arrays, cfg)
     some_slot = next(iter(names.values()))
     ref_names = _map_names(lambda n: layout.pipeline_names_to_reference(n, cfg), some_slot)
     ref_layers = restore_boxes(ref_arrays, ref_names)
-    return {**variables, "params": _replace_subtree(params, "pipeline", "layers", ref_layers)}
+    rest = {k: v for k, v in params.items() if k != axes.LAYERS_AFTER_PIPELINE}
+    return {**variables, "params": _replace_subtree(rest, "pipeline", "layers", ref_layers)}
 
 
 def linen_reference_to_pipeline(variables: Mapping[str, Any], cfg: Config) -> dict:
-    """Linen variables of the reference decoder -> those of the pipelined decoder (boxed)."""
+    """Linen variables of the reference decoder -> those of the pipelined decoder (boxed): the
+    first P layers into the pipeline's stages, the rest into `layers_after_pipeline`."""
     params = variables["params"]
     if "layers" not in params:
         raise layout.LayoutError(
             "no 'layers' subtree in the Linen params: not a reference decoder's variables"
         )
     arrays, names = strip_boxes(params["layers"])
-    stage_arrays = layout.reference_to_pipeline(arrays, cfg)
+    stage_arrays, after_arrays = layout.split_reference(arrays, cfg)
     stage_names = _map_names(lambda n: layout.reference_names_to_pipeline(n, cfg), names)
     stages = {slot: restore_boxes(tree, stage_names) for slot, tree in stage_arrays.items()}
-    return {
-        **variables,
-        "params": _replace_subtree(params, "layers", "pipeline", {"layers": stages}),
-    }
+    out = _replace_subtree(params, "layers", "pipeline", {"layers": stages})
+    if after_arrays is not None:
+        after_names = _map_names(layout.reference_names_to_after_pipeline, names)
+        out[axes.LAYERS_AFTER_PIPELINE] = {"layers": restore_boxes(after_arrays, after_names)}
+    return {**variables, "params": out}
 
 
 def nnx_pipeline_to_reference(state: nnx.State, cfg: Config) -> nnx.State:

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from migrate import convert
+from migrate import axes, convert
 from migrate.checkpoint_io import host_copy
 from migrate.meta import ARRAY_ITEMS, CheckpointError
 from migrate.train_state import (
@@ -112,7 +112,13 @@ def same_layout(a: Spec, b: Spec) -> bool:
     """Whether weights of `a` and `b` have the same shapes and paths (no re-staging needed)."""
     if a.layout != b.layout:
         return False
-    shape = lambda c: (c.num_stages, c.num_repeats, c.layers_per_stage, c.scan_layers_per_stage)
+    shape = lambda c: (
+        c.num_stages,
+        c.num_repeats,
+        c.layers_per_stage,
+        c.scan_layers_per_stage,
+        c.num_pipelined_layers,
+    )
     return a.layout == "reference" or shape(a.cfg) == shape(b.cfg)
 
 
@@ -164,6 +170,8 @@ def _layer_path(path: Path_, spec: Spec) -> Path_ | None:
     """The path inside one layer of a stacked decoder-layer weight, or None for other weights."""
     if spec.use_pipeline and path[:2] == ("pipeline", "layers"):
         return path[3:]
+    if spec.use_pipeline and path[:2] == (axes.LAYERS_AFTER_PIPELINE, "layers"):
+        return path[2:]
     if not spec.use_pipeline and path[0] == "layers":
         return path[1:]
     return None
@@ -189,8 +197,12 @@ def _relayout_tree(
         # The weight sits under a fixed key, so that every weight of one shape and names (a
         # parameter and its moments) shares one compiled move.
         if src.use_pipeline:
-            slots = {p[2]: {"w": flat.pop(p)} for p in members}
+            slots = {p[2]: {"w": flat.pop(p)} for p in members if p[0] == "pipeline"}
             variables = {"params": {"pipeline": {"layers": slots}}}
+            after = [p for p in members if p[0] == axes.LAYERS_AFTER_PIPELINE]
+            if after:
+                after_layers = {"layers": {"w": flat.pop(after[0])}}
+                variables["params"][axes.LAYERS_AFTER_PIPELINE] = after_layers
             del slots
         else:
             variables = {"params": {"layers": {"w": flat.pop(members[0])}}}

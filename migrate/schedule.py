@@ -33,7 +33,8 @@ def stage_layers(cfg: Config, stage: int) -> list[int]:
 
 
 def placement(cfg: Config) -> dict[int, tuple[int, int, int]]:
-    """Global layer -> (repeat, stage, slot), for every layer of the decoder."""
+    """Global layer -> (repeat, stage, slot), for every pipelined layer (the first P; where the
+    others run: `migrate.placement`)."""
     return {
         layer_index(r, s, j, cfg.num_stages, cfg.layers_per_stage): (r, s, j)
         for r in range(cfg.num_repeats)

@@ -8,6 +8,7 @@ same PartitionSpecs.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Sequence
@@ -144,6 +145,36 @@ def logical_to_spec(names: LogicalNames, rules: Rules) -> PartitionSpec:
 def named_sharding(names: LogicalNames, mesh: Mesh, rules: Rules) -> NamedSharding:
     """Logical names -> NamedSharding on `mesh`."""
     return NamedSharding(mesh, logical_to_spec(names, rules))
+
+
+def fitted_sharding(
+    names: LogicalNames | None, shape: tuple[int, ...], mesh: Mesh, rules: Rules
+) -> NamedSharding:
+    """The sharding `names` resolve to on `mesh`, with a dim its mesh axes do not divide
+    replicated: the reference of a pipelined subset stacks N layers on `layers` (the `stage`
+    mesh axis), and N need not be a multiple of S once only P of them are pipelined."""
+    spec = logical_to_spec(tuple(names), rules) if names else PartitionSpec()
+    entries = []
+    for dim, entry in zip(shape, (*spec, *(None,) * (len(shape) - len(spec))), strict=True):
+        axes_ = entry if isinstance(entry, tuple) else (() if entry is None else (entry,))
+        entries.append(entry if dim % math.prod(mesh.shape[a] for a in axes_) == 0 else None)
+    return NamedSharding(mesh, PartitionSpec(*entries))
+
+
+@functools.cache
+def after_pipeline_config(cfg: Config) -> Config:
+    """`cfg` as the layers after a pipelined subset see it: `activation_batch` resolves to the
+    mesh axes of `activation_embed_and_logits_batch`, so that those layers run on the batch the
+    pipeline hands out (split over stages too, like the embedding and the logits) instead of
+    gathering it over stages and computing the same rows on every stage."""
+    rules = cfg.logical_axis_rules
+    logits_batch = [target for name, target in rules if name == "activation_embed_and_logits_batch"]
+    if not logits_batch:
+        return cfg
+    remapped = tuple(
+        (name, logits_batch[0] if name == "activation_batch" else target) for name, target in rules
+    )
+    return cfg.replace(logical_axis_rules=remapped)
 
 
 def batch_sharding(cfg: Config, mesh: Mesh) -> NamedSharding:

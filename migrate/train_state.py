@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from migrate import convert, optim, sharding
 from migrate.config import SCHEDULE_DEFAULTS, Config, ConfigError, with_changes
@@ -71,9 +70,10 @@ class Spec:
         if self.layout == "reference":
             return f"{self.framework}, reference N={c.base_num_decoder_layers}"
         scanned = " scanned" if c.scan_layers_per_stage else ""
+        after = f" +{c.num_layers_after_pipeline} after" if c.num_layers_after_pipeline else ""
         return (
             f"{self.framework}, pipeline S={c.num_stages} R={c.num_repeats} "
-            f"L={c.layers_per_stage}{scanned}"
+            f"L={c.layers_per_stage}{scanned}{after}"
         )
 
 
@@ -289,12 +289,7 @@ def _abstract_nnx(cfg: Config, mesh: Mesh, use_pipeline: bool, mode: tuple) -> n
 def leaf_sharding(names: Names, shape: tuple[int, ...], mesh: Mesh, cfg: Config) -> NamedSharding:
     """The sharding `names` resolve to on `mesh`; a dim its mesh axes do not divide is replicated
     (a re-staged source, S=4 restored onto an S=2 mesh, still lands sharded where it can)."""
-    spec = sharding.logical_to_spec(names, cfg.logical_axis_rules) if names else PartitionSpec()
-    entries = []
-    for dim, entry in zip(shape, (*spec, *(None,) * (len(shape) - len(spec))), strict=True):
-        axes = entry if isinstance(entry, tuple) else (() if entry is None else (entry,))
-        entries.append(entry if dim % math.prod(mesh.shape[a] for a in axes) == 0 else None)
-    return NamedSharding(mesh, PartitionSpec(*entries))
+    return sharding.fitted_sharding(names, shape, mesh, cfg.logical_axis_rules)
 
 
 def _place_abstract(tree: Any, mesh: Mesh, cfg: Config) -> Any:

@@ -457,3 +457,52 @@ def test_a_tied_checkpoint_converts_with_one_shared_leaf_and_refuses_an_untied_c
         assert f"written with logits_via_embedding={written}" in str(error.value)
         assert f"pass logits_via_embedding={written}" in str(error.value)
         assert not (tmp_path / "dst").exists()
+
+
+def test_restaging_between_a_subset_and_all_pipelined(tmp_path):
+    """N=10: 8 pipelined (S=4 R=2) plus 2 after the pipeline -> all 10 pipelined (S=2 R=5) ->
+    the reference layout -> back to the subset, on random values: every layer lands where
+    `migrate.placement` puts it, bit for bit."""
+    cfg, mesh = setup("llama2-tiny-subset")
+    spec = Spec("nnx", "pipeline", cfg)
+    state = random_state(spec, mesh)
+    checkpoint_io.save(tmp_path / "src", spec, state)
+    all_pipelined = {
+        "ici_pipeline_parallelism": 2,
+        "num_pipeline_repeats": 5,
+        "pipeline_parallel_layers": -1,
+    }
+    hop = checkpoint.convert_checkpoint(
+        tmp_path / "src", tmp_path / "hop", cfg, "nnx", "linen", changes=all_pipelined
+    )
+    assert hop.target.describe() == "linen, pipeline S=2 R=5 L=1"
+    hop_cfg = hop.target.cfg
+    hop_mesh = sharding.make_mesh(hop_cfg)
+    mid = checkpoint_io.restore(tmp_path / "hop", hop.target, hop_mesh)
+    assert "layers_after_pipeline" not in mid.params["params"]
+    host_params, host_opt = linen_form(state, "nnx")
+    expected = convert.linen_pipeline_to_reference(host_params, cfg)
+    assert_bit_exact(
+        convert.linen_pipeline_to_reference(jax.device_get(mid.params), hop_cfg), expected
+    )
+    checkpoint.convert_checkpoint(
+        tmp_path / "hop", tmp_path / "ref", cfg, "linen", "linen", "reference"
+    )
+    ref = checkpoint_io.restore(tmp_path / "ref", Spec("linen", "reference", cfg), mesh)
+    assert_bit_exact(jax.device_get(ref.params), expected)
+    mu = convert.linen_pipeline_to_reference({"params": host_opt[1][0].mu}, cfg)["params"]
+    assert_bit_exact(jax.device_get(ref.opt_state[1][0].mu), mu)
+    back = checkpoint.convert_checkpoint(
+        tmp_path / "ref",
+        tmp_path / "back",
+        cfg,
+        "linen",
+        "nnx",
+        "pipeline",
+        changes=train_state.layout_keys(cfg),
+        verify=True,
+    )
+    assert back.target.describe() == "nnx, pipeline S=4 R=2 L=1 +2 after"
+    assert not back.differences
+    restored = checkpoint_io.restore(tmp_path / "back", spec, mesh)
+    assert_bit_exact(linen_form(restored, "nnx"), linen_form(state, "nnx"))

@@ -14,7 +14,7 @@ import jax
 import pytest
 from conftest import CONFIG_DIR, SHIPPED_TINY_CONFIGS, tiny
 
-from migrate import devices
+from migrate import devices, placement
 from parity import cli, report
 
 REPO = Path(__file__).resolve().parent.parent
@@ -147,7 +147,7 @@ def test_every_check_passes_on_every_shipped_tiny_config(name, tmp_path, capsys)
         record = sharding[f"train step {side}: params/decoder_norm/scale"]
         assert record["linen"] == record["nnx"] == record["declared"] == "P(None,)"
     (efficiency,) = checks["efficiency"]["details"]
-    assert efficiency["measured"] == efficiency["theoretical"] == cfg.pipeline_flop_overhead
+    assert efficiency["measured"] == efficiency["theoretical"] == placement.work_overhead(cfg)
     assert "same optimised program" in checks["compile"]["message"]
     assert [s["step"] for s in checks["train"]["steps"]] == [0, 1]
 

@@ -137,6 +137,23 @@ def test_nnx_layout_round_trip_is_bit_exact():
     assert_same_tree(nnx.to_pure_dict(back), jax.device_get(nnx.to_pure_dict(s.nnx_params)))
 
 
+def test_subset_layout_round_trip_puts_the_remainder_after_the_pipelined_rows():
+    """llama2-tiny-subset: reference rows 0..7 are the pipeline's stages (placement formula),
+    rows 8..9 the `layers_after_pipeline` stack, in order; and back, bit-exact."""
+    s = session("llama2-tiny-subset")
+    reference = convert.nnx_pipeline_to_reference(s.nnx_params, s.cfg)
+    wo = reference["layers"]["mlp"]["wo"]["kernel"]
+    assert wo.get_value().shape == (10, 128, 64)
+    assert convert.nnx_names(wo) == ("layers", "mlp", "embed")
+    after = s.nnx_params["layers_after_pipeline"]["layers"]["mlp"]["wo"]["kernel"]
+    assert convert.nnx_names(after) == ("layers_after_pipeline", "mlp", "embed")
+    np.testing.assert_array_equal(np.asarray(wo.get_value()[8:]), np.asarray(after.get_value()))
+    stages = s.nnx_params["pipeline"]["layers"]["layers_0"]["mlp"]["wo"]["kernel"].get_value()
+    np.testing.assert_array_equal(np.asarray(wo.get_value()[5]), np.asarray(stages[1, 1]))
+    back = convert.nnx_reference_to_pipeline(reference, s.cfg)
+    assert_same_tree(nnx.to_pure_dict(back), jax.device_get(nnx.to_pure_dict(s.nnx_params)))
+
+
 # ------------------------------------------------------------------ strictness
 
 

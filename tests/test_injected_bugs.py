@@ -661,3 +661,45 @@ def test_ag_per_repeat_bugs_are_caught(bug, monkeypatch, fresh_nnx, tmp_path):
     assert set(where) == set(expected), where
     for check, place in expected.items():
         assert place in where[check], (check, where[check])
+
+
+# ------------------------------------------------------------------ issue 16: a pipelined subset
+# (`pipeline_parallel_layers`): the layers after the pipeline must run after it, in the rows
+# `migrate.placement` gives them.
+
+TINY_SUBSET = str(CONFIG_DIR / "llama2-tiny-subset.yml")
+
+
+def remainder_rows_reversed(monkeypatch):
+    """The NNX twin runs the layers after the pipeline with their rows mapped backwards:
+    layer 8 computed with layer 9's weights and the other way round."""
+    import migrate.nnx.decoder as nnx_decoder
+
+    def reversed_rows(self, x, positions, trace=False):
+        graphdef, state = nnx.split(self.layers)
+        layers = nnx.merge(graphdef, jax.tree.map(lambda w: w[::-1], state))
+        policy = numerics.remat_policy(self.config)
+        return nnx_pipeline.scan_layers(layers, x, positions, policy, trace)
+
+    monkeypatch.setattr(nnx_decoder.LayersAfterPipeline, "__call__", reversed_rows)
+
+
+def test_subset_remainder_rows_mapped_wrongly_are_named(monkeypatch, fresh_nnx, tmp_path):
+    """Caught by forward, grads and the NNX half of `pipeline` (the NNX reference has no
+    remainder to get wrong); the drill-down names the first remainder row by its placement."""
+    remainder_rows_reversed(monkeypatch)
+    status, report = run_cli(tmp_path, TINY_SUBSET, "--checks=forward,grads,pipeline")
+    assert status == cli.EXIT_FAIL
+    where = failing(report)
+    assert set(where) == {"forward", "grads", "pipeline", "layers"}, where
+    assert "logits" in where["forward"] and "grads/params/" in where["grads"]
+    assert where["pipeline"].startswith("nnx/"), where["pipeline"]
+    assert where["layers"].startswith("layer 8 (after the pipeline, row 0)"), where["layers"]
+    checks = {c["name"]: c for c in report["checks"]}
+    drill = checks["layers"]["details"]
+    first = next(r for r in drill if not r["passed"])
+    assert (first["layer"], first["placement"]) == (8, "after the pipeline, row 0")
+    # Every record before it (embedding, all ten layers in the reference layout, the
+    # pipeline's own stages) passed: the bug is in the remainder's rows alone.
+    assert all(r["passed"] for r in drill[: drill.index(first)])
+    assert not any(r["passed"] is False and r.get("iteration") is not None for r in drill)

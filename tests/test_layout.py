@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import tiny
 
-from migrate import axes, layout, schedule
+from migrate import axes, layout, placement, schedule
 
 
 def _reference(cfg, feature=3):
@@ -55,3 +55,74 @@ def test_layout_errors_name_the_problem():
         layout.reference_to_pipeline({"w": np.zeros((7, 2))}, cfg)
     with pytest.raises(layout.LayoutError, match="do not start with"):
         layout.pipeline_names_to_reference(("layers", "embed"), cfg)
+
+
+# ------------------------------------------------------------------ a pipelined subset
+
+
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("llama2-tiny-subset", ()),
+        # MaxText's odd remainder: 61 layers, 56 pipelined (S=4, R=14), 5 after the pipeline.
+        (
+            "llama2-tiny",
+            (
+                "base_num_decoder_layers=61",
+                "pipeline_parallel_layers=56",
+                "num_pipeline_repeats=14",
+            ),
+        ),
+        # The subset with two scanned layers per stage visit.
+        ("llama2-tiny-subset", ("num_layers_per_pipeline_stage=2", "num_pipeline_repeats=1")),
+    ],
+)
+def test_subset_split_join_follow_the_placement(name, overrides):
+    cfg = tiny(name, *overrides)
+    ref = _reference(cfg)
+    stages, after = layout.split_reference(ref, cfg)
+    rows_after = 0
+    for place in placement.placements(cfg):
+        if place.in_pipeline:
+            leaf = stages[f"layers_{place.slot}"]["w"]
+            value = leaf[place.repeat, place.stage] if cfg.num_repeats > 1 else leaf[place.stage]
+        else:
+            value = after["w"][place.row_after_pipeline]
+            rows_after += 1
+        assert np.all(value == place.layer), place
+    assert rows_after == cfg.num_layers_after_pipeline == after["w"].shape[0]
+    np.testing.assert_array_equal(layout.join_reference(stages, after, cfg)["w"], ref["w"])
+
+
+def test_placement_of_the_odd_remainder():
+    cfg = tiny(
+        "llama2-tiny",
+        "base_num_decoder_layers=61",
+        "pipeline_parallel_layers=56",
+        "num_pipeline_repeats=14",
+    )
+    assert placement.place(cfg, 55).describe() == "stage 3, repeat 13, slot 0"
+    assert placement.place(cfg, 56).describe() == "after the pipeline, row 0"
+    assert placement.place(cfg, 60).describe() == "after the pipeline, row 4"
+    assert placement.work_overhead(cfg) == pytest.approx((56 * (8 * 14 + 3) / (8 * 14) + 5) / 61)
+    with pytest.raises(IndexError, match=r"layers 0\.\.60"):
+        placement.place(cfg, 61)
+    # All pipelined: no layers after the pipeline, and the formula as before.
+    full = tiny("llama2-tiny")
+    assert not placement.has_layers_after_pipeline(full)
+    assert placement.work_overhead(full) == full.pipeline_flop_overhead
+
+
+def test_subset_names_and_errors():
+    cfg = tiny("llama2-tiny-subset")
+    ref_names = (axes.REFERENCE_LAYERS, *axes.MLP_IN)
+    after_names = layout.reference_names_to_after_pipeline(ref_names)
+    assert after_names == (axes.LAYERS_AFTER_PIPELINE, *axes.MLP_IN)
+    assert layout.after_pipeline_names_to_reference(after_names) == ref_names
+    stages, after = layout.split_reference(_reference(cfg), cfg)
+    with pytest.raises(layout.LayoutError, match=r"layers_after_pipeline is missing.* runs 2"):
+        layout.join_reference(stages, None, cfg)
+    with pytest.raises(layout.LayoutError, match="num_layers_after_pipeline=2"):
+        layout.join_reference(stages, {"w": after["w"][:1]}, cfg)
+    with pytest.raises(layout.LayoutError, match="base_num_decoder_layers=10"):
+        layout.split_reference({"w": np.zeros((8, 2))}, cfg)

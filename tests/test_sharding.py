@@ -11,8 +11,8 @@ from conftest import SHIPPED_TINY_CONFIGS, tiny
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from migrate import axes, sharding
-from migrate.linen.decoder import Decoder
+from migrate import axes, placement, sharding
+from migrate.linen.decoder import Decoder, param_shardings
 
 
 def test_mesh_has_the_config_axes():
@@ -58,10 +58,13 @@ def test_every_parameter_has_one_logical_name_per_dimension(name, use_pipeline):
     cfg = tiny(name)
     params = _abstract_params(cfg, use_pipeline)
     boxes = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
-    # 9 per layer (per in-stage slot when the L layers of a stage are separate modules) +
-    # embedding, final norm, and the logits kernel unless the embedding is the head (tied).
-    slots = cfg.layers_per_stage if cfg.using_pipeline and use_pipeline is None else 1
+    # 9 per layer (per in-stage slot when the L layers of a stage are separate modules; and
+    # the stack after a pipelined subset) + embedding, final norm, and the logits kernel unless
+    # the embedding is the head (tied).
+    pipelined = cfg.using_pipeline and use_pipeline is None
+    slots = cfg.layers_per_stage if pipelined else 1
     slots = 1 if cfg.scan_layers_per_stage else slots
+    slots += int(pipelined and placement.has_layers_after_pipeline(cfg))
     assert len(boxes) == 9 * slots + (2 if cfg.logits_via_embedding else 3)
     for box in boxes:
         assert isinstance(box, nn.LogicallyPartitioned)
@@ -178,3 +181,35 @@ def test_reshards_into_and_out_of_the_pipeline_are_named_constraints(framework):
     for scope in (axes.INTO_PIPELINE, axes.OUT_OF_PIPELINE):
         constraints = [line for line in text.splitlines() if scope in line and "Sharding" in line]
         assert len(constraints) >= 1, scope
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (),
+        # MaxText's "a remainder of 5 will fail when sharded incorrectly": 61 layers, 56 pipelined.
+        ("base_num_decoder_layers=61", "pipeline_parallel_layers=56", "num_pipeline_repeats=14"),
+    ],
+    ids=["subset", "odd-remainder"],
+)
+def test_layers_after_the_pipeline_are_replicated_over_stages(overrides):
+    """The remainder's stacked axis maps to no mesh axis (it runs on every stage, and 5 rows
+    do not divide 4 stages); its other dims shard as any layer's; its activations run on the
+    batch split over stages too."""
+    cfg = tiny("llama2-tiny-subset", *overrides)
+    params = _abstract_params(cfg)
+    after = params["layers_after_pipeline"]["layers"]
+    wi = after["mlp"]["wi_0"]["kernel"]
+    assert wi.names == ("layers_after_pipeline", "embed", "mlp")
+    assert wi.value.shape[0] == cfg.num_layers_after_pipeline
+    mesh = sharding.abstract_mesh(cfg)
+    shardings = jax.tree.leaves(
+        param_shardings({"params": params}, mesh, cfg)["params"]["layers_after_pipeline"],
+        is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding),
+    )
+    assert shardings and all(s.spec[0] is None for s in shardings)
+    assert sharding.logical_to_spec(wi.names, cfg.logical_axis_rules) == P(None, "fsdp", "tensor")
+    after_rules = sharding.after_pipeline_config(cfg).logical_axis_rules
+    assert sharding.logical_to_spec(
+        axes.BATCH_LENGTH_EMBED, after_rules
+    ) == sharding.logical_to_spec(axes.LOGITS_BATCH_LENGTH_EMBED, cfg.logical_axis_rules)

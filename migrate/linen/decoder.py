@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from migrate import axes, numerics, sharding
+from migrate import axes, numerics, placement, sharding
 from migrate.config import Config
 from migrate.linen.layers import DecoderLayer, DenseGeneral, Embed, RMSNorm
 from migrate.linen.pipeline import Pipeline, scan_layers
@@ -19,7 +19,9 @@ from migrate.linen.pipeline import Pipeline, scan_layers
 
 class Decoder(nn.Module):
     """llama2-style decoder. `use_pipeline=None` follows the config (pipeline when S > 1);
-    `False` gives the non-pipelined reference, all layers stacked on one `layers` axis. With
+    `False` gives the non-pipelined reference, all layers stacked on one `layers` axis. With a
+    pipelined subset (`pipeline_parallel_layers`) the layers after the first P run after the
+    pipeline, scanned, as `layers_after_pipeline` (`migrate.placement`). With
     `logits_via_embedding` the token embedding is also the logits head (`Embed.attend`) and no
     `logits_dense` exists: the table's gradient sums both uses."""
 
@@ -48,12 +50,10 @@ class Decoder(nn.Module):
                 x = nn.with_logical_constraint(
                     x, axes.LOGITS_BATCH_LENGTH_EMBED, rules=rules, mesh=self.mesh
                 )
+            if placement.has_layers_after_pipeline(cfg):
+                x = LayersAfterPipeline(cfg, self.mesh, name="layers_after_pipeline")(x, positions)
         else:
-            layer_cls = DecoderLayer
-            policy = numerics.remat_policy(cfg)
-            if policy is not None:
-                layer_cls = nn.remat(DecoderLayer, policy=policy, prevent_cse=False)
-            layer = layer_cls(cfg, self.mesh, name="layers")
+            layer = remat_layer(cfg)(cfg, self.mesh, name="layers")
             x = scan_layers(layer, x, positions, cfg.base_num_decoder_layers, axes.REFERENCE_LAYERS)
         x = RMSNorm(cfg, name="decoder_norm")(x)
         head = (
@@ -70,15 +70,47 @@ class Decoder(nn.Module):
         )
 
 
+def remat_layer(cfg: Config) -> type[nn.Module]:
+    """`DecoderLayer`, rematerialised per layer as the config's policy says."""
+    policy = numerics.remat_policy(cfg)
+    if policy is None:
+        return DecoderLayer
+    return nn.remat(DecoderLayer, policy=policy, prevent_cse=False)
+
+
+class LayersAfterPipeline(nn.Module):
+    """The N - P layers after a pipelined subset (`migrate.placement`), scanned, on the batch
+    split over stages too (`sharding.after_pipeline_config`)."""
+
+    config: Config
+    mesh: Mesh
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array, trace: bool = False):
+        """`[B, T, E] -> [B, T, E]`; with `trace`, also every layer's output `[N-P, B, T, E]`."""
+        cfg = sharding.after_pipeline_config(self.config)
+        layer = remat_layer(cfg)(cfg, self.mesh, name="layers")
+        count = cfg.num_layers_after_pipeline
+        return scan_layers(layer, x, positions, count, axes.LAYERS_AFTER_PIPELINE, trace)
+
+
 def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Token-mean cross entropy: microbatching cannot change its scale."""
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
 def param_shardings(abstract_variables, mesh: Mesh, cfg: Config):
-    """NamedSharding per leaf from the LogicallyPartitioned boxes (Linen's resolver)."""
-    logical = nn.get_partition_spec(abstract_variables)
-    return nn.logical_to_mesh_sharding(logical, mesh, sharding.logical_rules(cfg))
+    """NamedSharding per leaf from the LogicallyPartitioned boxes (Linen's resolver; a dim the
+    mesh axes do not divide replicated: `sharding.fitted_sharding`)."""
+    rules = sharding.logical_rules(cfg)
+
+    def resolve(leaf):
+        names = leaf.names if isinstance(leaf, nn.LogicallyPartitioned) else ()
+        return sharding.fitted_sharding(tuple(names), tuple(nn.meta.unbox(leaf).shape), mesh, rules)
+
+    return jax.tree.map(
+        resolve, abstract_variables, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)
+    )
 
 
 def init_variables(model: Decoder, tokens: jax.Array, seed: int | None = None):

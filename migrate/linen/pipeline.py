@@ -22,19 +22,30 @@ from migrate.linen.layers import DecoderLayer
 
 
 def scan_layers(
-    layer: nn.Module, x: jax.Array, positions: jax.Array, length: int, axis_name: str
-) -> jax.Array:
-    """Apply `layer` `length` times, its weights stacked on a new leading axis `axis_name`."""
+    layer: nn.Module,
+    x: jax.Array,
+    positions: jax.Array,
+    length: int,
+    axis_name: str,
+    trace: bool = False,
+):
+    """Apply `layer` `length` times, its weights stacked on a new leading axis `axis_name`; with
+    `trace`, also every application's output, stacked (the drill-down compares them)."""
+
+    def body(module: nn.Module, carry: jax.Array, pos: jax.Array):
+        y = module(carry, pos)
+        return y, (y if trace else None)
+
     scanned = nn.scan(
-        lambda module, carry, pos: (module(carry, pos), None),
+        body,
         variable_axes={"params": 0},
         split_rngs={"params": True},
         in_axes=nn.broadcast,
         length=length,
         metadata_params={nn.PARTITION_NAME: axis_name},
     )
-    x, _ = scanned(layer, x, positions)
-    return x
+    x, outputs = scanned(layer, x, positions)
+    return (x, outputs) if trace else x
 
 
 # Activations move one stage right, the last stage's output wrapping around to stage 0: one

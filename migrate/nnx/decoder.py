@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from migrate import axes, numerics, sharding
+from migrate import axes, numerics, placement, sharding
 from migrate.config import Config
 from migrate.nnx.layers import DecoderLayer, DenseGeneral, Embed, RMSNorm
 from migrate.nnx.pipeline import Pipeline, scan_layers, stack_modules
@@ -21,7 +21,9 @@ from migrate.nnx.pipeline import Pipeline, scan_layers, stack_modules
 
 class Decoder(nnx.Module):
     """llama2-style decoder. `use_pipeline=None` follows the config (pipeline when S > 1);
-    `False` gives the non-pipelined reference, all layers stacked on one `layers` axis. With
+    `False` gives the non-pipelined reference, all layers stacked on one `layers` axis. With a
+    pipelined subset (`pipeline_parallel_layers`) the layers after the first P run after the
+    pipeline, scanned, as `layers_after_pipeline` (`migrate.placement`). With
     `logits_via_embedding` the token embedding is also the logits head (`Embed.attend`) and no
     `logits_dense` exists: the table's gradient sums both uses."""
 
@@ -40,6 +42,8 @@ class Decoder(nnx.Module):
         self.token_embedder = Embed(cfg, rngs=rngs)
         if self.pipelined:
             self.pipeline = Pipeline(cfg, mesh, bubble_fill, rngs=rngs)
+            if placement.has_layers_after_pipeline(cfg):
+                self.layers_after_pipeline = LayersAfterPipeline(cfg, mesh, rngs=rngs)
         else:
             self.layers = stack_modules(
                 lambda r: DecoderLayer(cfg, mesh, rngs=r),
@@ -64,6 +68,8 @@ class Decoder(nnx.Module):
             x = self.pipeline(x, positions)
             with jax.named_scope(axes.OUT_OF_PIPELINE):
                 x = sharding.constrain(x, axes.LOGITS_BATCH_LENGTH_EMBED, self.mesh, rules)
+            if placement.has_layers_after_pipeline(cfg):
+                x = self.layers_after_pipeline(x, positions)
         else:
             x = scan_layers(self.layers, x, positions, numerics.remat_policy(cfg))
         x = self.decoder_norm(x)
@@ -73,17 +79,37 @@ class Decoder(nnx.Module):
         return sharding.constrain(logits, axes.LOGITS_BATCH_LENGTH_VOCAB, self.mesh, rules)
 
 
+class LayersAfterPipeline(nnx.Module):
+    """The N - P layers after a pipelined subset (`migrate.placement`), scanned, on the batch
+    split over stages too (`sharding.after_pipeline_config`)."""
+
+    def __init__(self, config: Config, mesh: Mesh, *, rngs: nnx.Rngs) -> None:
+        cfg = self.config = sharding.after_pipeline_config(config)
+        self.layers = stack_modules(
+            lambda r: DecoderLayer(cfg, mesh, rngs=r),
+            cfg.num_layers_after_pipeline,
+            axes.LAYERS_AFTER_PIPELINE,
+            rngs,
+        )
+
+    def __call__(self, x: jax.Array, positions: jax.Array, trace: bool = False):
+        """`[B, T, E] -> [B, T, E]`; with `trace`, also every layer's output `[N-P, B, T, E]`."""
+        return scan_layers(self.layers, x, positions, numerics.remat_policy(self.config), trace)
+
+
 def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Token-mean cross entropy: microbatching cannot change its scale."""
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
 def param_shardings(abstract_state: nnx.State, mesh: Mesh, cfg: Config) -> nnx.State:
-    """NamedSharding per Variable from its `out_sharding` names (Linen's resolver)."""
+    """NamedSharding per Variable from its `out_sharding` names (Linen's resolver; a dim the
+    mesh axes do not divide replicated: `sharding.fitted_sharding`)."""
+    rules = sharding.logical_rules(cfg)
 
     def resolve(variable: nnx.Variable) -> NamedSharding:
         names = variable.get_metadata().get("out_sharding") or ()
-        return sharding.named_sharding(tuple(names), mesh, sharding.logical_rules(cfg))
+        return sharding.fitted_sharding(tuple(names), tuple(variable.shape), mesh, rules)
 
     return jax.tree.map(resolve, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

@@ -43,17 +43,21 @@ def stack_modules(
     return create_stacked(rngs)
 
 
-def scan_layers(layer: nnx.Module, x: jax.Array, positions: jax.Array, policy=None) -> jax.Array:
-    """Apply the stacked `layer` once per slice of its leading weight axis, in order."""
+def scan_layers(
+    layer: nnx.Module, x: jax.Array, positions: jax.Array, policy=None, trace: bool = False
+):
+    """Apply the stacked `layer` once per slice of its leading weight axis, in order; with
+    `trace`, also every application's output, stacked (the drill-down compares them)."""
     graphdef, state = nnx.split(layer)
 
     def body(carry, layer_state):
-        return nnx.merge(graphdef, layer_state)(carry, positions), None
+        y = nnx.merge(graphdef, layer_state)(carry, positions)
+        return y, (y if trace else None)
 
     if policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    x, _ = jax.lax.scan(body, x, state)
-    return x
+    x, outputs = jax.lax.scan(body, x, state)
+    return (x, outputs) if trace else x
 
 
 # Activations move one stage right, the last stage's output wrapping around to stage 0: one

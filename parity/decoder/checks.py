@@ -310,6 +310,13 @@ def _bytes(count: float) -> str:
     return f"{int(count)} B"
 
 
+# The theory's formula: all N layers pipelined, or P of them with N - P after the pipeline.
+THEORY = {
+    False: "(M*R + d*(S-1))/(M*R)",
+    True: "(P*(M*R + d*(S-1))/(M*R) + N-P)/N",
+}
+
+
 def efficiency(pair: DecoderPair) -> CheckResult:
     """The matmul work the compiled pipeline performs (per-device dot FLOPs x devices) against
     the useful work (every layer once on the full batch) and the schedule's theory; the loop's
@@ -341,7 +348,8 @@ def efficiency(pair: DecoderPair) -> CheckResult:
         "pipeline matmul overhead",
         details=(record,),
         message=f"matmul work {measured.measured_overhead:.4f} x the useful work vs "
-        f"(M*R + d*(S-1))/(M*R) = {measured.theoretical_overhead:.4f}; the loop's elementwise "
+        f"{THEORY[cfg.num_layers_after_pipeline > 0]} = {measured.theoretical_overhead:.4f}; "
+        "the loop's elementwise "
         f"work adds {measured.loop_elementwise_overhead:.2%} of the matmul work",
     )
 

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh
 
-from migrate import axes, convert, optim, sharding
+from migrate import axes, convert, optim, placement, sharding
 from migrate.config import MESH_AXES, Config
 from migrate.linen import decoder as linen_decoder
 from migrate.linen import layers as linen_layers
@@ -136,7 +136,7 @@ class PipelineEfficiency:
     reference_dot_flops: float  # useful: every layer once on the full batch (one device)
     pipeline_flops: float  # everything the pipeline performs (XLA's cost analysis x devices)
     reference_flops: float  # everything the reference layers perform
-    theoretical_overhead: float  # (M*R + d*(S-1)) / (M*R)
+    theoretical_overhead: float  # (M*R + d*(S-1)) / (M*R); `placement.work_overhead` (subset)
 
     @property
     def measured_overhead(self) -> float:
@@ -186,7 +186,10 @@ def _pipeline_efficiency(cfg: Config, mesh: Mesh) -> PipelineEfficiency:
     config's mesh with its weights and input sharded as declared; its per-device matmul FLOPs
     times the device count are the work it performs, so matmuls replicated over a mesh axis
     count once per replica. The useful work is the plain decoder layers (a Python loop over the
-    N layers) on the full batch, compiled on one device.
+    N layers) on the full batch, compiled on one device. With a pipelined subset the layers
+    after the pipeline (a Python loop too) are compiled on the config's mesh on the batch they
+    run on, split over stages as well, and their work is added to the pipeline's: useful work
+    once, with no bubbles (`placement.work_overhead`).
     """
     cfg = cfg.replace(
         scan_pipeline_iterations=False,
@@ -213,6 +216,10 @@ def _pipeline_efficiency(cfg: Config, mesh: Mesh) -> PipelineEfficiency:
         lambda w, x, pos: pipe.apply({"params": w}, x, pos), weights, x, positions
     )
 
+    if placement.has_layers_after_pipeline(cfg):
+        after_flops, after_dots = _after_pipeline_flops(cfg, mesh, variables)
+        pipeline_flops, pipeline_dots = pipeline_flops + after_flops, pipeline_dots + after_dots
+
     one_device = _one_device_mesh()
     layer = linen_layers.DecoderLayer(cfg, one_device)
     reference_layers = jax.eval_shape(
@@ -238,8 +245,38 @@ def _pipeline_efficiency(cfg: Config, mesh: Mesh) -> PipelineEfficiency:
         reference_dot_flops=reference_dots,
         pipeline_flops=pipeline_flops * cfg.num_devices,
         reference_flops=reference_flops,
-        theoretical_overhead=cfg.pipeline_flop_overhead,
+        theoretical_overhead=placement.work_overhead(cfg),
     )
+
+
+def _after_pipeline_flops(cfg: Config, mesh: Mesh, variables: Any) -> tuple[float, float]:
+    """(all FLOPs, matmul FLOPs) per device of the layers after the pipeline, unrolled, on
+    the batch split over stages too (`sharding.after_pipeline_config`), weights as declared."""
+    after_cfg = sharding.after_pipeline_config(cfg)
+    stacked = variables["params"][axes.LAYERS_AFTER_PIPELINE]["layers"]
+    shardings = linen_decoder.param_shardings(variables, mesh, cfg)["params"]
+    weights = _with_shardings(shardings[axes.LAYERS_AFTER_PIPELINE]["layers"], stacked)
+    weights = nn.meta.unbox(weights)
+    rules = cfg.logical_axis_rules
+    shape = (cfg.global_batch_size, cfg.max_target_length, cfg.base_emb_dim)
+    x = jax.ShapeDtypeStruct(
+        shape,
+        jnp.dtype(cfg.dtype),
+        sharding=sharding.named_sharding(axes.LOGITS_BATCH_LENGTH_EMBED, mesh, rules),
+    )
+    positions = jax.ShapeDtypeStruct(
+        shape[:2],
+        jnp.int32,
+        sharding=sharding.named_sharding(axes.LOGITS_BATCH_LENGTH_EMBED[:2], mesh, rules),
+    )
+    layer = linen_layers.DecoderLayer(after_cfg, mesh)
+
+    def after(stacked_params, x, pos):
+        for k in range(cfg.num_layers_after_pipeline):
+            x = layer.apply({"params": jax.tree.map(lambda w, k=k: w[k], stacked_params)}, x, pos)
+        return x
+
+    return _compiled_flops(after, weights, x, positions)
 
 
 # ------------------------------------------------------------------ loop-body collectives

@@ -5,8 +5,10 @@ submodule output of every layer (captured with Linen's `capture_intermediates` a
 `nnx.capture(method_outputs=...)`), the final norm, the logits head and the loss; the engine's
 `layers` check feeds each stage Linen's input to it on both sides, so a bug shows in its own
 stage and nowhere after. For pipelined configs also the stage outputs after every pipeline
-iteration, naming the first iteration and stage that differ. Each function here builds one
-framework's stages; the two lists line up name by name.
+iteration, naming the first iteration and stage that differ; with a pipelined subset also each
+layer's output after the pipeline, run by the twin's own `LayersAfterPipeline` on its own
+weights (a remainder row mapped wrongly shows there). Each function here builds one framework's
+stages; the two lists line up name by name.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from migrate import axes, convert, schedule
+from migrate import axes, convert, placement, schedule
 from migrate.config import Config
 from migrate.linen import decoder as linen_decoder
 from migrate.linen import layers as linen_layers
@@ -51,7 +53,15 @@ LAYER_ORDER = (
 
 
 # The decoder's parameters and outputs in data-flow order (layers by their submodule order).
-_FLOW = ("token_embedder", "embedding", "pipeline", "layers", "decoder_norm", "logits_dense")
+_FLOW = (
+    "token_embedder",
+    "embedding",
+    "pipeline",
+    "layers",
+    "layers_after_pipeline",
+    "decoder_norm",
+    "logits_dense",
+)
 
 
 def data_flow_rank(tensor: str) -> tuple[int, int]:
@@ -248,15 +258,18 @@ def stages(
             out, captured = layer_fn(layer_params, distributed.replicate(x, mesh), positions)
             return out, {prefix + name: value for name, value in _captures(captured).items()}
 
+        where = placement.place(cfg, index).describe() if cfg.using_pipeline else None
         return DrillStage(
             f"layer {index}",
             apply,
             order=[prefix + name for name in LAYER_ORDER],
-            fields=lambda _: {"layer": index},
+            fields=lambda _: {"layer": index} | ({"placement": where} if where else {}),
         )
 
     out = [outer("embedding")]
     out += [layer(i) for i in range(cfg.base_num_decoder_layers)]
+    if placement.has_layers_after_pipeline(cfg):
+        out.append(_after_pipeline(framework, cfg, mesh, native, positions))
     out += [outer("decoder_norm"), _cast_after(outer(head_part(cfg))), outer("loss")]
     if cfg.using_pipeline:
         out.append(_iterations(framework, cfg, mesh, native, positions))
@@ -306,6 +319,45 @@ def _iterations(framework: str, cfg: Config, mesh, native: Any, positions) -> Dr
         input_from="embedding",
         fields=lambda name: {"iteration": where[name][0], "stage": where[name][1]},
     )
+
+
+def _after_pipeline(framework: str, cfg: Config, mesh, native: Any, positions) -> DrillStage:
+    """Each layer's output after the pipeline, by the twin's own `LayersAfterPipeline` on its
+    own weights, fed the output of the last pipelined layer; named by `migrate.placement`."""
+    compute_cfg = twins.compute_config(cfg)
+    if framework == "linen":
+        trace = _linen_after_trace(compute_cfg, mesh)
+        after = native["params"][axes.LAYERS_AFTER_PIPELINE]
+    else:
+        trace = _nnx_after_trace(compute_cfg, mesh, twins.nnx_mode())
+        after = native[axes.LAYERS_AFTER_PIPELINE]
+    rows = placement.placements(cfg)[placement.rows_after_pipeline(cfg)]
+    names = {f"layer {p.layer} ({p.describe()})": p for p in rows}
+
+    def apply(x):
+        out, outputs = trace(after, distributed.replicate(x, mesh), positions)
+        return out, {name: outputs[p.row_after_pipeline] for name, p in names.items()}
+
+    return DrillStage(
+        "layers after the pipeline",
+        apply,
+        order=list(names),
+        input_from=f"layer {cfg.num_pipelined_layers - 1}",
+        fields=lambda name: {"layer": names[name].layer, "placement": names[name].describe()},
+    )
+
+
+@functools.cache
+def _linen_after_trace(cfg: Config, mesh):
+    module = linen_decoder.LayersAfterPipeline(cfg, mesh)
+    return jax.jit(lambda params, x, pos: module.apply({"params": params}, x, pos, trace=True))
+
+
+@functools.cache
+def _nnx_after_trace(cfg: Config, mesh, mode):
+    del mode
+    graphdef = _nnx_graphdef(lambda rngs: nnx_decoder.LayersAfterPipeline(cfg, mesh, rngs=rngs))
+    return jax.jit(lambda params, x, pos: nnx.merge(graphdef, params)(x, pos, trace=True))
 
 
 @functools.cache
