@@ -19,7 +19,11 @@ from migrate.linen.pipeline import Pipeline, scan_layers
 
 class Decoder(nn.Module):
     """llama2-style decoder. `use_pipeline=None` follows the config (pipeline when S > 1);
-    `False` gives the non-pipelined reference, all layers stacked on one `layers` axis."""
+    `False` gives the non-pipelined reference, all layers stacked on one `layers` axis.
+
+    Returns `(logits, aux)`: aux the load-balancing losses of the MoE layers (0 without
+    experts), summed over layers; each layer's is a mean over the batch's sequences, so the
+    pipeline (mean over microbatches of their means) and the reference agree."""
 
     config: Config
     mesh: Mesh
@@ -27,7 +31,7 @@ class Decoder(nn.Module):
     bubble_fill: float = 0.0
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg, rules = self.config, self.config.logical_axis_rules
         x = Embed(cfg, name="token_embedder")(tokens)
         x = nn.with_logical_constraint(
@@ -40,7 +44,7 @@ class Decoder(nn.Module):
                 x = nn.with_logical_constraint(
                     x, axes.BATCH_LENGTH_EMBED, rules=rules, mesh=self.mesh
                 )
-            x = Pipeline(cfg, self.mesh, self.bubble_fill, name="pipeline")(x, positions)
+            x, aux = Pipeline(cfg, self.mesh, self.bubble_fill, name="pipeline")(x, positions)
             with jax.named_scope(axes.OUT_OF_PIPELINE):
                 x = nn.with_logical_constraint(
                     x, axes.LOGITS_BATCH_LENGTH_EMBED, rules=rules, mesh=self.mesh
@@ -51,20 +55,32 @@ class Decoder(nn.Module):
             if policy is not None:
                 layer_cls = nn.remat(DecoderLayer, policy=policy, prevent_cse=False)
             layer = layer_cls(cfg, self.mesh, name="layers")
-            x = scan_layers(layer, x, positions, cfg.base_num_decoder_layers, axes.REFERENCE_LAYERS)
+            x, aux = scan_layers(
+                layer, x, positions, cfg.base_num_decoder_layers, axes.REFERENCE_LAYERS
+            )
         x = RMSNorm(cfg, name="decoder_norm")(x)
         logits = DenseGeneral(
             (cfg.base_emb_dim,), (cfg.vocab_size,), axes.LOGITS_KERNEL, cfg, name="logits_dense"
         )(x)
         logits = logits.astype(jnp.float32)
-        return nn.with_logical_constraint(
+        logits = nn.with_logical_constraint(
             logits, axes.LOGITS_BATCH_LENGTH_VOCAB, rules=rules, mesh=self.mesh
         )
+        return logits, aux
 
 
 def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Token-mean cross entropy: microbatching cannot change its scale."""
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def training_loss(cfg: Config, logits: jax.Array, aux: jax.Array, targets: jax.Array) -> jax.Array:
+    """The loss the optimizer sees: cross entropy, plus `load_balance_loss_weight` x the
+    load-balancing loss `aux` in a model with experts."""
+    loss = cross_entropy_loss(logits, targets)
+    if cfg.num_experts > 1:
+        loss = loss + cfg.load_balance_loss_weight * aux
+    return loss
 
 
 def param_shardings(abstract_variables, mesh: Mesh, cfg: Config):

@@ -21,18 +21,24 @@ from migrate.linen.layers import DecoderLayer
 
 def scan_layers(
     layer: nn.Module, x: jax.Array, positions: jax.Array, length: int, axis_name: str
-) -> jax.Array:
-    """Apply `layer` `length` times, its weights stacked on a new leading axis `axis_name`."""
+) -> tuple[jax.Array, jax.Array]:
+    """Apply `layer` `length` times, its weights stacked on a new leading axis `axis_name`:
+    `(x, aux)`, aux the layers' load-balancing losses summed (carried through the scan)."""
+
+    def body(module, carry, pos):
+        x, aux = module(carry[0], pos)
+        return (x, carry[1] + aux), None
+
     scanned = nn.scan(
-        lambda module, carry, pos: (module(carry, pos), None),
+        body,
         variable_axes={"params": 0},
         split_rngs={"params": True},
         in_axes=nn.broadcast,
         length=length,
         metadata_params={nn.PARTITION_NAME: axis_name},
     )
-    x, _ = scanned(layer, x, positions)
-    return x
+    carry, _ = scanned(layer, (x, jnp.zeros(())), positions)
+    return carry
 
 
 # Activations move one stage right, the last stage's output wrapping around to stage 0: one
@@ -49,14 +55,17 @@ class StageLayers(nn.Module):
     mesh: Mesh
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """`(x, aux)`: aux the L layers' load-balancing losses summed."""
         cfg = self.config
         if cfg.scan_layers_per_stage:
             layer = DecoderLayer(cfg, self.mesh, name="layers")
             return scan_layers(layer, x, positions, cfg.layers_per_stage, axes.LAYERS_PER_STAGE)
+        aux = jnp.zeros(())
         for slot in range(cfg.layers_per_stage):
-            x = DecoderLayer(cfg, self.mesh, name=f"layers_{slot}")(x, positions)
-        return x
+            x, layer_aux = DecoderLayer(cfg, self.mesh, name=f"layers_{slot}")(x, positions)
+            aux = aux + layer_aux
+        return x, aux
 
 
 def stacked_stages(cfg: Config) -> type[nn.Module]:
@@ -97,14 +106,15 @@ class Pipeline(nn.Module):
 
     @nn.compact
     def __call__(self, inputs: jax.Array, positions: jax.Array, trace: bool = False):
-        """`[B, T, E] -> [B, T, E]`; with `trace`, also every iteration's stage outputs
-        `[iterations, S, B/M, T, E]` (the drill-down compares them)."""
+        """`[B, T, E] -> ([B, T, E], aux)`; with `trace`, also every iteration's stage outputs
+        `[iterations, S, B/M, T, E]` (the drill-down compares them). `aux`: the layers'
+        load-balancing losses, summed over layers and averaged over the M microbatches."""
         cfg = self.config
         stages = stacked_stages(cfg)(cfg, self.mesh, name="layers")
         if self.is_initializing():
             # Creates the [R, S, ...] weights; the init output only needs the right shape.
             stages(inputs[: cfg.microbatch_size], positions[: cfg.microbatch_size])
-            return inputs
+            return inputs, jnp.zeros(())
         boxed_weights = self.variables["params"]["layers"]
         weights = nn.meta.unbox(boxed_weights)
         if cfg.pipeline_fsdp_ag_once:
@@ -130,8 +140,9 @@ class Pipeline(nn.Module):
             gather, logical, weights, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
         )
 
-    def run_stages(self, weights, stage_inputs, stage_positions, repeat_ids) -> jax.Array:
-        """Every stage applies its layers (for its current repeat) to its input, in parallel;
+    def run_stages(self, weights, stage_inputs, stage_positions, repeat_ids):
+        """Every stage applies its layers (for its current repeat) to its input, in parallel:
+        (outputs `[S, ...]`, load-balancing losses `[S]`);
         on fsdp x tensor meshes with that repeat's weights gathered over `fsdp` for the visit
         (`sharding.stage_weights_need_gathering`)."""
         cfg = self.config
@@ -180,6 +191,8 @@ class Pipeline(nn.Module):
                 mesh,
                 rules,
             ),
+            # Each stage's load-balancing losses, summed over the slots it worked (stage-local).
+            "aux": sharding.constrain(jnp.zeros(cfg.num_stages), axes.PER_STAGE, mesh, rules),
         }
 
         def iteration(state, t):
@@ -191,7 +204,7 @@ class Pipeline(nn.Module):
             stage_inputs = nn.with_logical_constraint(
                 stage_inputs, axes.STAGE_BATCH_LENGTH_EMBED, rules=rules, mesh=mesh
             )
-            stage_outputs = self.run_stages(
+            stage_outputs, stage_aux = self.run_stages(
                 weights, stage_inputs, micro_positions[micro_ids], repeat_ids
             )
             # The schedule's one collective per iteration: outputs move one stage right. The
@@ -206,6 +219,8 @@ class Pipeline(nn.Module):
                 "shift": rotated if cfg.forwarding_delay == 1 else state["previous"],
                 "previous": rotated,
                 "store": schedule.store_finished(cfg, state["store"], rotated, t),
+                # Bubbles count nothing: a select, so that NaN there cannot leak (NaN x 0 is NaN).
+                "aux": state["aux"] + jnp.where(valid, stage_aux, 0.0),
             }
             return new_state, (stage_outputs if trace else None)
 
@@ -226,4 +241,5 @@ class Pipeline(nn.Module):
             history = jnp.stack(history) if trace else None
         # Stage 0's row holds the finished outputs: broadcast to every stage once, after the loop.
         outputs = schedule.merge_microbatches(loop_state["store"][0])
-        return (outputs, history) if trace else outputs
+        aux = jnp.sum(loop_state["aux"]) / num_micro
+        return (outputs, aux, history) if trace else (outputs, aux)

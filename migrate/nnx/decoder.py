@@ -21,7 +21,11 @@ from migrate.nnx.pipeline import Pipeline, scan_layers, stack_modules
 
 class Decoder(nnx.Module):
     """llama2-style decoder. `use_pipeline=None` follows the config (pipeline when S > 1);
-    `False` gives the non-pipelined reference, all layers stacked on one `layers` axis."""
+    `False` gives the non-pipelined reference, all layers stacked on one `layers` axis.
+
+    Returns `(logits, aux)`: aux the load-balancing losses of the MoE layers (0 without
+    experts), summed over layers; each layer's is a mean over the batch's sequences, so the
+    pipeline (mean over microbatches of their means) and the reference agree."""
 
     def __init__(
         self,
@@ -50,7 +54,7 @@ class Decoder(nnx.Module):
             (cfg.base_emb_dim,), (cfg.vocab_size,), axes.LOGITS_KERNEL, cfg, rngs=rngs
         )
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg, rules = self.config, self.config.logical_axis_rules
         x = self.token_embedder(tokens)
         x = sharding.constrain(x, axes.LOGITS_BATCH_LENGTH_EMBED, self.mesh, rules)
@@ -58,20 +62,30 @@ class Decoder(nnx.Module):
         if self.pipelined:
             with jax.named_scope(axes.INTO_PIPELINE):
                 x = sharding.constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)
-            x = self.pipeline(x, positions)
+            x, aux = self.pipeline(x, positions)
             with jax.named_scope(axes.OUT_OF_PIPELINE):
                 x = sharding.constrain(x, axes.LOGITS_BATCH_LENGTH_EMBED, self.mesh, rules)
         else:
-            x = scan_layers(self.layers, x, positions, numerics.remat_policy(cfg))
+            x, aux = scan_layers(self.layers, x, positions, numerics.remat_policy(cfg))
         x = self.decoder_norm(x)
         logits = self.logits_dense(x)
         logits = logits.astype(jnp.float32)
-        return sharding.constrain(logits, axes.LOGITS_BATCH_LENGTH_VOCAB, self.mesh, rules)
+        logits = sharding.constrain(logits, axes.LOGITS_BATCH_LENGTH_VOCAB, self.mesh, rules)
+        return logits, aux
 
 
 def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Token-mean cross entropy: microbatching cannot change its scale."""
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def training_loss(cfg: Config, logits: jax.Array, aux: jax.Array, targets: jax.Array) -> jax.Array:
+    """The loss the optimizer sees: cross entropy, plus `load_balance_loss_weight` x the
+    load-balancing loss `aux` in a model with experts."""
+    loss = cross_entropy_loss(logits, targets)
+    if cfg.num_experts > 1:
+        loss = loss + cfg.load_balance_loss_weight * aux
+    return loss
 
 
 def param_shardings(abstract_state: nnx.State, mesh: Mesh, cfg: Config) -> nnx.State:

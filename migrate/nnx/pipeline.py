@@ -42,17 +42,21 @@ def stack_modules(
     return create_stacked(rngs)
 
 
-def scan_layers(layer: nnx.Module, x: jax.Array, positions: jax.Array, policy=None) -> jax.Array:
-    """Apply the stacked `layer` once per slice of its leading weight axis, in order."""
+def scan_layers(
+    layer: nnx.Module, x: jax.Array, positions: jax.Array, policy=None
+) -> tuple[jax.Array, jax.Array]:
+    """Apply the stacked `layer` once per slice of its leading weight axis, in order:
+    `(x, aux)`, aux the layers' load-balancing losses summed (carried through the scan)."""
     graphdef, state = nnx.split(layer)
 
     def body(carry, layer_state):
-        return nnx.merge(graphdef, layer_state)(carry, positions), None
+        x, aux = nnx.merge(graphdef, layer_state)(carry[0], positions)
+        return (x, carry[1] + aux), None
 
     if policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    x, _ = jax.lax.scan(body, x, state)
-    return x
+    carry, _ = jax.lax.scan(body, (x, jnp.zeros(())), state)
+    return carry
 
 
 # Activations move one stage right, the last stage's output wrapping around to stage 0: one
@@ -78,13 +82,16 @@ class StageLayers(nnx.Module):
             for slot in range(config.layers_per_stage):
                 setattr(self, f"layers_{slot}", DecoderLayer(config, mesh, rngs=rngs))
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """`(x, aux)`: aux the L layers' load-balancing losses summed."""
         cfg = self.config
         if cfg.scan_layers_per_stage:
             return scan_layers(self.layers, x, positions)
+        aux = jnp.zeros(())
         for slot in range(cfg.layers_per_stage):
-            x = getattr(self, f"layers_{slot}")(x, positions)
-        return x
+            x, layer_aux = getattr(self, f"layers_{slot}")(x, positions)
+            aux = aux + layer_aux
+        return x, aux
 
 
 def stacked_stages(cfg: Config, mesh: Mesh, rngs: nnx.Rngs) -> StageLayers:
@@ -113,8 +120,9 @@ class Pipeline(nnx.Module):
         self.layers = stacked_stages(config, mesh, rngs)
 
     def __call__(self, inputs: jax.Array, positions: jax.Array, trace: bool = False):
-        """`[B, T, E] -> [B, T, E]`; with `trace`, also every iteration's stage outputs
-        `[iterations, S, B/M, T, E]` (the drill-down compares them)."""
+        """`[B, T, E] -> ([B, T, E], aux)`; with `trace`, also every iteration's stage outputs
+        `[iterations, S, B/M, T, E]` (the drill-down compares them). `aux`: the layers'
+        load-balancing losses, summed over layers and averaged over the M microbatches."""
         graphdef, weights = nnx.split(self.layers)
         if self.config.pipeline_fsdp_ag_once:
             weights = self.all_gather_over_fsdp(weights)
@@ -135,7 +143,8 @@ class Pipeline(nnx.Module):
         return jax.tree.map(gather, weights, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
     def run_stages(self, graphdef, weights, stage_inputs, stage_positions, repeat_ids):
-        """Every stage applies its layers (for its current repeat) to its input, in parallel;
+        """Every stage applies its layers (for its current repeat) to its input, in parallel:
+        (outputs `[S, ...]`, load-balancing losses `[S]`);
         on fsdp x tensor meshes with that repeat's weights gathered over `fsdp` for the visit
         (`sharding.stage_weights_need_gathering`)."""
         cfg = self.config
@@ -183,6 +192,8 @@ class Pipeline(nnx.Module):
                 mesh,
                 rules,
             ),
+            # Each stage's load-balancing losses, summed over the slots it worked (stage-local).
+            "aux": sharding.constrain(jnp.zeros(cfg.num_stages), axes.PER_STAGE, mesh, rules),
         }
 
         def iteration(state, t):
@@ -194,7 +205,7 @@ class Pipeline(nnx.Module):
             stage_inputs = sharding.constrain(
                 stage_inputs, axes.STAGE_BATCH_LENGTH_EMBED, mesh, rules
             )
-            stage_outputs = self.run_stages(
+            stage_outputs, stage_aux = self.run_stages(
                 graphdef, weights, stage_inputs, micro_positions[micro_ids], repeat_ids
             )
             # The schedule's one collective per iteration: outputs move one stage right. The
@@ -206,6 +217,8 @@ class Pipeline(nnx.Module):
                 "shift": rotated if cfg.forwarding_delay == 1 else state["previous"],
                 "previous": rotated,
                 "store": schedule.store_finished(cfg, state["store"], rotated, t),
+                # Bubbles count nothing: a select, so that NaN there cannot leak (NaN x 0 is NaN).
+                "aux": state["aux"] + jnp.where(valid, stage_aux, 0.0),
             }
             return new_state, (stage_outputs if trace else None)
 
@@ -226,4 +239,5 @@ class Pipeline(nnx.Module):
             history = jnp.stack(history) if trace else None
         # Stage 0's row holds the finished outputs: broadcast to every stage once, after the loop.
         outputs = schedule.merge_microbatches(loop_state["store"][0])
-        return (outputs, history) if trace else outputs
+        aux = jnp.sum(loop_state["aux"]) / num_micro
+        return (outputs, aux, history) if trace else (outputs, aux)

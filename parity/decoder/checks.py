@@ -40,7 +40,12 @@ def pipeline(pair: DecoderPair) -> CheckResult:
         pipelined, reference = pair.pipelined_run(framework), pair.reference_run(framework)
         named |= {f"{framework} pipelined": pipelined, f"{framework} reference": reference}
         records += run_records(
-            f"{framework}/", pipelined, reference, tol, PIPELINE_PARTS, pair.output_name
+            f"{framework}/",
+            pipelined,
+            reference,
+            tol,
+            (*PIPELINE_PARTS, *pair.aux_parts),
+            pair.output_name,
         )
     return verdict("pipeline", records, tol, vacuity(pair, named), rank=pair.rank)
 
@@ -56,7 +61,7 @@ def bubbles(pair: DecoderPair) -> CheckResult:
     for framework in ("linen", "nnx"):
         poisoned = pair.filled_run(framework, BUBBLE_POISON)
         clean = pair.filled_run(framework, 0.0)
-        parts = ("logits", "loss", "grads")
+        parts = ("logits", "loss", *pair.aux_parts, "grads")
         for record in run_records(
             f"{framework}/", poisoned, clean, compare.EXACT, parts, pair.output_name
         ):

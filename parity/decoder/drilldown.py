@@ -302,11 +302,11 @@ def _iterations(framework: str, cfg: Config, mesh, native: Any, positions) -> Dr
 @functools.cache
 def _linen_trace(cfg: Config, mesh):
     pipe = linen_pipeline.Pipeline(cfg, mesh)
-    return jax.jit(lambda params, x, pos: pipe.apply({"params": params}, x, pos, trace=True)[1])
+    return jax.jit(lambda params, x, pos: pipe.apply({"params": params}, x, pos, trace=True)[-1])
 
 
 @functools.cache
 def _nnx_trace(cfg: Config, mesh, mode):
     del mode
     graphdef = _nnx_graphdef(lambda rngs: nnx_pipeline.Pipeline(cfg, mesh, rngs=rngs))
-    return jax.jit(lambda params, x, pos: nnx.merge(graphdef, params)(x, pos, trace=True)[1])
+    return jax.jit(lambda params, x, pos: nnx.merge(graphdef, params)(x, pos, trace=True)[-1])
