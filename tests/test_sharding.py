@@ -58,11 +58,13 @@ def test_every_parameter_has_one_logical_name_per_dimension(name, use_pipeline):
     cfg = tiny(name)
     params = _abstract_params(cfg, use_pipeline)
     boxes = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
-    # 9 per layer (per in-stage slot when the L layers of a stage are separate modules) +
-    # embedding, final norm, logits.
+    # 9 per layer, 10 with experts (router + 3 stacked expert kernels for the MLP's 3) (per
+    # in-stage slot when the L layers of a stage are separate modules) + embedding, final
+    # norm, logits.
     slots = cfg.layers_per_stage if cfg.using_pipeline and use_pipeline is None else 1
     slots = 1 if cfg.scan_layers_per_stage else slots
-    assert len(boxes) == 9 * slots + 3
+    per_layer = 10 if cfg.num_experts > 1 else 9
+    assert len(boxes) == per_layer * slots + 3
     for box in boxes:
         assert isinstance(box, nn.LogicallyPartitioned)
         assert len(box.names) == box.value.ndim, (box.names, box.value.shape)

@@ -220,7 +220,13 @@ class Pipeline(nn.Module):
                 "previous": rotated,
                 "store": schedule.store_finished(cfg, state["store"], rotated, t),
                 # Bubbles count nothing: a select, so that NaN there cannot leak (NaN x 0 is NaN).
-                "aux": state["aux"] + jnp.where(valid, stage_aux, 0.0),
+                # Pinned to the stages: left to XLA, it gathers the [S] sums over stages.
+                "aux": nn.with_logical_constraint(
+                    state["aux"] + jnp.where(valid, stage_aux, 0.0),
+                    axes.PER_STAGE,
+                    rules=rules,
+                    mesh=mesh,
+                ),
             }
             return new_state, (stage_outputs if trace else None)
 

@@ -218,7 +218,10 @@ class Pipeline(nnx.Module):
                 "previous": rotated,
                 "store": schedule.store_finished(cfg, state["store"], rotated, t),
                 # Bubbles count nothing: a select, so that NaN there cannot leak (NaN x 0 is NaN).
-                "aux": state["aux"] + jnp.where(valid, stage_aux, 0.0),
+                # Pinned to the stages: left to XLA, it gathers the [S] sums over stages.
+                "aux": sharding.constrain(
+                    state["aux"] + jnp.where(valid, stage_aux, 0.0), axes.PER_STAGE, mesh, rules
+                ),
             }
             return new_state, (stage_outputs if trace else None)
 

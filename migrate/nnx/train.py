@@ -20,8 +20,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from migrate.config import Config
-from migrate.nnx.decoder import training_loss
 from migrate.nnx.decoder import param_shardings as param_shardings_of
+from migrate.nnx.decoder import training_loss
 
 
 def make_loss_fn(graphdef: nnx.GraphDef) -> Callable:

@@ -42,11 +42,14 @@ LAYER_ORDER = (
     "self_attention/out",
     "self_attention",
     "post_self_attention_layer_norm",
+    "mlp/gate",
     "mlp/wi_0",
     "mlp/wi_1",
     "mlp/wo",
     "mlp",
+    "mlp/aux_loss",
     "output",
+    "output/aux_loss",
 )
 
 
@@ -69,12 +72,15 @@ def data_flow_rank(tensor: str) -> tuple[int, int]:
 
 def _normalise(path: tuple[str, ...]) -> str:
     """`('self_attention', '__call__', '[0]')` -> `self_attention`; the layer's own output
-    becomes `output`; repeated calls (rotary on query and key) keep their index."""
+    becomes `output`; repeated calls (rotary on query and key) keep their index. A call that
+    returns `(y, aux)` (a MoE block, a layer) gives `name` and `name/aux_loss`."""
     parts = [p.strip("[]") for p in path if p not in ("intermediates",)]
     call = parts.index("__call__")
     name = "/".join(parts[:call]) or "output"
     index = parts[call + 1] if call + 1 < len(parts) else "0"
-    return name if index == "0" else f"{name}/{index}"
+    name = name if index == "0" else f"{name}/{index}"
+    returned = parts[call + 2] if call + 2 < len(parts) else "0"
+    return name if returned == "0" else f"{name}/aux_loss"
 
 
 def _captures(tree: Any) -> dict[str, jax.Array]:
@@ -236,7 +242,7 @@ def stages(
         prefix = f"layer {index}/"
 
         def apply(x):
-            out, captured = layer_fn(layer_params, distributed.replicate(x, mesh), positions)
+            (out, _), captured = layer_fn(layer_params, distributed.replicate(x, mesh), positions)
             return out, {prefix + name: value for name, value in _captures(captured).items()}
 
         return DrillStage(

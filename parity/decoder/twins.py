@@ -151,9 +151,7 @@ def run_linen(
 ) -> Run:
     step = linen_step(cfg, mesh, use_pipeline, bubble_fill)
     (loss, logits, aux, grad_norm), grads = step(variables["params"], batch)
-    loss, logits, aux, grad_norm, grads = distributed.to_host(
-        (loss, logits, aux, grad_norm, grads)
-    )
+    loss, logits, aux, grad_norm, grads = distributed.to_host((loss, logits, aux, grad_norm, grads))
     return Run(loss, logits, {"params": nn.meta.unbox(grads)}, grad_norm, **aux_loss(cfg, aux))
 
 
