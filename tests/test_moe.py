@@ -11,9 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny
+from conftest import CONFIG_DIR, tiny
 
+from migrate import cli as migrate_cli
 from migrate import moe
+from migrate.config import ConfigError
 from parity.decoder.session import BUBBLE_POISON, DecoderPair
 
 pytestmark = pytest.mark.slow
@@ -113,3 +115,39 @@ def test_the_optimizer_sees_the_weighted_aux_loss():
         ]
     )
     assert not np.array_equal(gate(weighted), gate(unweighted))
+
+
+def test_the_expert_axis_splits_the_batch_and_the_config_says_so():
+    """Outside the MoE blocks the expert axis splits the batch (MaxText's layout): every
+    microbatch must split over data x fsdp x expert, checked before anything is allocated."""
+    with pytest.raises(ConfigError, match="each microbatch must split over data x fsdp x expert"):
+        tiny("mixtral-tiny", "num_pipeline_microbatches=8")  # microbatches of 2 rows, 4 shards
+    with pytest.raises(ConfigError, match="the experts must split evenly over the expert axis"):
+        tiny("mixtral-tiny", "num_experts=3", "num_experts_per_tok=1")
+
+
+def test_checkpoints_convert_and_restage_the_expert_weights(tmp_path, capsys):
+    """`migrate init`/`convert` on mixtral-tiny: Linen -> NNX verified bit for bit, re-staged
+    (R=2 L=1 -> R=1 L=2) and to the reference layout, the expert kernels stacked with the layer
+    axes throughout."""
+    config = f"--config={CONFIG_DIR / 'mixtral-tiny.yml'}"
+
+    def migrate(*args: str) -> int:
+        argv = migrate_cli.FLAGS(["migrate", *args])
+        try:
+            return migrate_cli.run(argv)
+        finally:
+            migrate_cli.FLAGS.unparse_flags()
+
+    linen, nnx, restaged, ref = (tmp_path / n for n in ("linen", "nnx", "s", "ref"))
+    assert migrate("init", config, "--framework=linen", str(linen)) == migrate_cli.EXIT_OK
+    args = ("convert", config, "--from=linen", "--to=nnx", "--verify", str(linen), str(nnx))
+    assert migrate(*args) == migrate_cli.EXIT_OK, capsys.readouterr().err
+    assert "checked before writing: bit-exact" in capsys.readouterr().out
+    overrides = ("num_pipeline_repeats=1", "num_layers_per_pipeline_stage=2")
+    args = ("convert", config, "--from=nnx", "--to=nnx", str(nnx), str(restaged), *overrides)
+    assert migrate(*args) == migrate_cli.EXIT_OK, capsys.readouterr().err
+    assert "nnx, pipeline S=2 R=1 L=2" in capsys.readouterr().out
+    args = ("convert", config, "--from=nnx", "--to=linen", "--layout=reference")
+    assert migrate(*args, "--verify", str(restaged), str(ref)) == migrate_cli.EXIT_OK
+    assert "linen, reference N=4" in capsys.readouterr().out

@@ -52,7 +52,7 @@ def _abstract_params(cfg, use_pipeline=None):
     return jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
 
 
-@pytest.mark.parametrize("name", [*SHIPPED_TINY_CONFIGS, "llama2-7b"])
+@pytest.mark.parametrize("name", [*SHIPPED_TINY_CONFIGS, "llama2-7b", "mixtral-8x7b"])
 @pytest.mark.parametrize("use_pipeline", [None, False], ids=["pipeline", "reference"])
 def test_every_parameter_has_one_logical_name_per_dimension(name, use_pipeline):
     cfg = tiny(name)
