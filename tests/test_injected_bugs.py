@@ -545,7 +545,7 @@ MOE_BUGS = [
     (
         aux_loss_left_out_of_the_loss,
         "grads,train",
-        {"grads": "grads/params/", "train": "step 0/"},
+        {"grads": "grads/params/", "train": "eval-before/loss"},
     ),
 ]
 
