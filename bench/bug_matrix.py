@@ -74,6 +74,8 @@ BY_NAME = {b.name: b for b in BUGS}
 def not_applicable(bug: Bug, cfg) -> str | None:
     """Why `bug` cannot change `cfg`'s twin (so no check could catch it), or None: decided by
     the config's keys alone."""
+    if bug.name in ("init_scale_wrong", "mlp_constraint_dropped") and cfg.num_experts > 1:
+        return "num_experts > 1: the layers have a MoeBlock, no dense MLP"
     if bug.name in ("stage_keys_reused", "bubbles_unmasked") and not cfg.using_pipeline:
         return "no pipeline (S=1): no stage axis, no idle slots"
     if bug.name == "remat_policy_changed":

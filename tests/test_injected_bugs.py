@@ -187,8 +187,10 @@ def init_scale_wrong(monkeypatch):
 def init_family_swapped(monkeypatch):
     """Dense kernels drawn from a normal instead of a truncated normal (same variance)."""
     wrong = types.SimpleNamespace(**vars(numerics))
-    wrong.kernel_init = lambda in_axis, out_axis: jax.nn.initializers.variance_scaling(
-        1.0, "fan_in", "normal", in_axis=in_axis, out_axis=out_axis
+    wrong.kernel_init = lambda in_axis, out_axis, batch_axis=(): (
+        jax.nn.initializers.variance_scaling(
+            1.0, "fan_in", "normal", in_axis=in_axis, out_axis=out_axis, batch_axis=batch_axis
+        )
     )
     monkeypatch.setattr(nnx_layers, "numerics", wrong)
 
