@@ -31,6 +31,7 @@ CONFIGS = (
     "llama2-tiny-delay",
     "llama2-tiny-scan",
     "llama2-tiny-agonce",
+    "llama2-tiny-agrepeat",
     "llama2-7b",
 )
 

@@ -151,6 +151,20 @@ def _on_disk(path: Path) -> dict[str, dict[str, Leaf]]:
         ) from None
 
 
+def _check_tying(path: Path, spec: Spec, meta: Mapping[str, Any]) -> None:
+    """A tied model (one table, no `logits_dense`) and an untied one are different models:
+    conversion moves weights, it never ties or unties a head."""
+    recorded = meta["model"]["logits_via_embedding"]
+    if recorded != spec.cfg.logits_via_embedding:
+        has = "the embedding is also the logits head" if recorded else "its own logits_dense"
+        raise CheckpointError(
+            f"{path}: the checkpoint was written with logits_via_embedding="
+            f"{str(recorded).lower()} ({has}), the config has logits_via_embedding="
+            f"{str(spec.cfg.logits_via_embedding).lower()}; pass "
+            f"logits_via_embedding={str(recorded).lower()} to read it"
+        )
+
+
 def check_fits(path: str | Path, spec: Spec, meta: Mapping[str, Any], mesh: Mesh) -> None:
     """Raise unless the checkpoint at `path` holds `spec`'s trees: framework, layout, every
     path with its shape (named, first few), logical names, and dtypes."""
@@ -160,6 +174,7 @@ def check_fits(path: str | Path, spec: Spec, meta: Mapping[str, Any], mesh: Mesh
             f"{path}: holds {meta['framework']} trees in the {meta['layout']} layout, "
             f"expected {spec.framework} in the {spec.layout} layout"
         )
+    _check_tying(path, spec, meta)
     template = abstract_state(spec, mesh)
     disk = _on_disk(path)
     problems, dtypes = [], []

@@ -315,6 +315,12 @@ def _violations(cfg: Config) -> list[str]:
         "pipeline_fsdp_ag_once=true, pipeline_fsdp_ag_per_repeat=true: pick one all-gather "
         "mode of the stage weights (once per run, or once per circular repeat)",
     )
+    need(
+        not cfg.pipeline_fsdp_ag_per_repeat or cfg.num_repeats > 1,
+        f"pipeline_fsdp_ag_per_repeat=true, num_pipeline_repeats={cfg.num_pipeline_repeats} "
+        f"(R={cfg.num_repeats}): all-gathering per circular repeat needs R >= 2 "
+        "(with one repeat use pipeline_fsdp_ag_once)",
+    )
 
     for rule_name, target in cfg.logical_axis_rules[: bounds.MAX_RULES]:
         axes = target if isinstance(target, tuple) else (target,)

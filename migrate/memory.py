@@ -5,7 +5,7 @@ The bound counts only what certainly exists at once, each array once (no replica
 
 - `parameters`: every weight of the decoder (embedding, per layer attention q/k/v/out, MLP
   wi_0/wi_1/wo, or those of every expert and the router, and two norms, final norm, logits
-  kernel) in `weight_dtype`;
+  kernel unless tied) in `weight_dtype`;
 - `optimizer`: AdamW's two moments (the parameters' dtype, as optax keeps them);
 - `gradients`: one gradient per parameter;
 - `activations`: the float32 logits of one step and the embedded tokens, and one layer's
@@ -45,7 +45,8 @@ def parameter_count(cfg: Config) -> int:
     experts = cfg.num_experts
     mlp = experts * 3 * e * f + (e * experts if experts > 1 else 0)
     per_layer = attention + mlp + 2 * e  # q, o; k, v; the MLP or experts; two norms
-    return 2 * v * e + e + n * per_layer  # embedding, logits kernel, final norm, layers
+    tables = 1 if cfg.logits_via_embedding else 2  # embedding (and an untied logits kernel)
+    return tables * v * e + e + n * per_layer  # tables, final norm, layers
 
 
 @dataclasses.dataclass(frozen=True)

@@ -137,3 +137,30 @@ def permutation(
 
     moved.defvjp(lambda x: (move(x), None), lambda _, cotangent: (inverse(cotangent),))
     return moved
+
+
+def window_start(cfg: Config, block: jnp.ndarray | int) -> jnp.ndarray | int:
+    """First repeat of the two-repeat weight window that `pipeline_fsdp_ag_per_repeat` gathers
+    for block `block` (iterations `block*M .. block*M + M - 1`; block R is the drain).
+
+    During block b stage s works on repeat b, or still on b - 1 for its first `d*s` iterations
+    (`d*(S-1) < M` by the config rules), so repeats `b-1, b` cover every stage; clipped into
+    `0 .. R-2` at both ends, where only one of them is in use. Needs R >= 2.
+    """
+    if isinstance(block, int):
+        return min(max(block - 1, 0), cfg.num_repeats - 2)
+    return jnp.clip(block - 1, 0, cfg.num_repeats - 2)
+
+
+def iterate(step: Callable, state, first: jnp.ndarray | int, count: int, scanned: bool):
+    """`count` pipeline iterations `first, first + 1, ...` of `step(state, t) -> (state, out)`:
+    a `lax.scan` or unrolled; returns the final state and the stacked outputs (None if None)."""
+    if scanned:
+        return jax.lax.scan(step, state, first + jnp.arange(count))
+    outputs = []
+    for k in range(count):
+        state, out = step(state, jnp.asarray(first + k))
+        outputs.append(out)
+    if not outputs or outputs[0] is None:
+        return state, None
+    return state, jnp.stack(outputs)

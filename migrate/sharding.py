@@ -36,23 +36,89 @@ def simulated_devices_hint(count: int) -> str:
     )
 
 
+def ici_shape(cfg: Config) -> tuple[int, ...]:
+    """The mesh within one slice (ICI), per axis of `MESH_AXES`."""
+    ici = {"data": cfg.ici_data_parallelism, "stage": cfg.ici_pipeline_parallelism}
+    return tuple(ici.get(a, cfg.mesh_shape[a]) for a in MESH_AXES)
+
+
+def dcn_shape(cfg: Config) -> tuple[int, ...]:
+    """The mesh of slices (DCN), per axis of `MESH_AXES`: only `data` and `stage` span slices."""
+    dcn = {"data": cfg.dcn_data_parallelism, "stage": cfg.dcn_pipeline_parallelism}
+    return tuple(dcn.get(a, 1) for a in MESH_AXES)
+
+
+def group_into_slices(devices: Sequence[jax.Device], num_slices: int) -> list[list[jax.Device]]:
+    """`devices` grouped into `num_slices` slices of equal size.
+
+    Devices that report `slice_index` (multi-slice TPUs) are grouped by it, in index order.
+    Devices that do not (CPU, a single slice, simulated devices) are split into contiguous runs
+    in the order given: slice k holds devices k*n .. (k+1)*n - 1. With several processes each
+    holding whole slices, a process's devices stay in its slices.
+    """
+    indices = {getattr(d, "slice_index", None) for d in devices}
+    if len(devices) % num_slices:
+        raise MeshError(f"{len(devices)} devices do not split into {num_slices} equal slices")
+    if None in indices or len(indices) == 1:
+        size = len(devices) // num_slices
+        return [list(devices[k * size : (k + 1) * size]) for k in range(num_slices)]
+    if len(indices) != num_slices:
+        raise MeshError(
+            f"the devices are in {len(indices)} slices but the config's mesh spans {num_slices} "
+            "(dcn_data_parallelism x dcn_pipeline_parallelism)"
+        )
+    groups = [[d for d in devices if d.slice_index == i] for i in sorted(indices)]
+    if len({len(g) for g in groups}) != 1:
+        raise MeshError(f"slices of unequal sizes: {[len(g) for g in groups]} devices")
+    return groups
+
+
+def hybrid_device_grid(cfg: Config, devices: Sequence[jax.Device]) -> np.ndarray:
+    """The devices as a grid of the config's mesh shape, laid out as MaxText's hybrid mesh.
+
+    Each mesh axis is a DCN factor (slow: across slices) times an ICI factor (within a slice),
+    the DCN factor outer: mesh index `i = dcn_i * ici_size + ici_i`. The slices form a grid of
+    the DCN shape (slice k at the k-th position, row-major) and each slice's devices, in order,
+    a grid of the ICI shape: the semantics of `jax.experimental.mesh_utils.
+    create_hybrid_device_mesh(ici, dcn)`, which needs `slice_index` (absent on CPU). With
+    `dcn_pipeline_parallelism > 1` stages 0 .. S/dcn - 1 are in the first slice(s), and so on.
+    """
+    ici, dcn = ici_shape(cfg), dcn_shape(cfg)
+    slices = group_into_slices(devices, cfg.num_slices)
+    per_slice = [np.array(s, dtype=object).reshape(ici) for s in slices]
+    grid = np.empty(tuple(i * d for i, d in zip(ici, dcn, strict=True)), dtype=object)
+    for k, block in enumerate(per_slice):
+        at = np.unravel_index(k, dcn)
+        grid[tuple(slice(c * n, (c + 1) * n) for c, n in zip(at, ici, strict=True))] = block
+    return grid
+
+
+def slice_of_device(cfg: Config, devices: Sequence[jax.Device]) -> dict[int, int]:
+    """Device id -> the slice `hybrid_device_grid` puts it in."""
+    slices = group_into_slices(devices, cfg.num_slices)
+    return {d.id: k for k, group in enumerate(slices) for d in group}
+
+
 def make_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A mesh with axes `MESH_AXES` sized by the config, over the first devices present.
 
-    Axes are `Auto`, the model Linen's `with_sharding_constraint` assumes.
+    Axes are `Auto`, the model Linen's `with_sharding_constraint` assumes. A config that spans
+    several slices (`cfg.num_slices`) gets the hybrid layout (`hybrid_device_grid`); one slice is
+    the same layout: the devices in order, reshaped.
     """
     devices = list(jax.devices() if devices is None else devices)
     shape = tuple(cfg.mesh_shape[a] for a in MESH_AXES)
     needed = math.prod(shape)
     if len(devices) < needed:
         sizes = ", ".join(f"{a}={n}" for a, n in cfg.mesh_shape.items())
+        slices = f" in {cfg.num_slices} slices" if cfg.num_slices > 1 else ""
         flags = os.environ.get("XLA_FLAGS", "")
         raise MeshError(
-            f"config {cfg.model_name!r} needs {needed} devices (mesh {sizes}) but "
+            f"config {cfg.model_name!r} needs {needed} devices (mesh {sizes}){slices} but "
             f"{len(devices)} are present; {simulated_devices_hint(needed)}"
             + (f" (XLA_FLAGS is now {flags!r})" if flags else "")
         )
-    grid = np.array(devices[:needed], dtype=object).reshape(shape)
+    grid = hybrid_device_grid(cfg, devices[:needed])
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 

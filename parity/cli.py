@@ -192,9 +192,21 @@ def _select_checks() -> list[str] | str:
 
 def _plan(cfg: Config, selected: Sequence[str]) -> str:
     return (
-        f"{cfg.model_name}: {cfg.num_devices} devices in {FLAGS.num_processes} process(es), "
+        f"{cfg.model_name}: {cfg.num_devices} devices{_slices(cfg)} in "
+        f"{FLAGS.num_processes} process(es), "
         f"S={cfg.num_stages} M={cfg.num_microbatches} R={cfg.num_repeats} "
         f"L={cfg.layers_per_stage}; checks: {', '.join(selected)}"
+    )
+
+
+def _slices(cfg: Config) -> str:
+    """The slices a multi-slice mesh spans, as the plan line says them."""
+    if cfg.num_slices == 1:
+        return ""
+    return (
+        f" ({cfg.num_slices} slices of {cfg.num_devices // cfg.num_slices}: "
+        f"dcn_data_parallelism={cfg.dcn_data_parallelism} x "
+        f"dcn_pipeline_parallelism={cfg.dcn_pipeline_parallelism})"
     )
 
 
@@ -203,6 +215,13 @@ def _check_processes(cfg: Config) -> None:
     if cfg.num_devices % processes:
         raise BadInput(
             f"--num_processes={processes} does not divide the mesh's {cfg.num_devices} devices"
+        )
+    per_process, per_slice = cfg.num_devices // processes, cfg.num_devices // cfg.num_slices
+    if processes > 1 and per_slice % per_process and per_process % per_slice:
+        raise BadInput(
+            f"--num_processes={processes} ({per_process} devices each) and {cfg.num_slices} "
+            f"slices of {per_slice} devices (dcn_data_parallelism x dcn_pipeline_parallelism): "
+            "a process must hold whole slices, or a slice whole processes (hosts)"
         )
     if processes > 1 and FLAGS.process_id is None and FLAGS.coordinator_address is None:
         if processes > MAX_LOCAL_PROCESSES:

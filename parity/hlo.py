@@ -105,6 +105,12 @@ class Loop:
     direction: str  # "backward" when its source op is a transpose (autodiff), else "forward"
     trip_count: int | None
     collectives: tuple[Collective, ...]
+    inner: tuple[Loop, ...] = ()  # the loops its body runs (not nested in another of them)
+
+    def own_collectives(self) -> tuple[Collective, ...]:
+        """The collectives its body issues outside its inner loops: once per trip."""
+        nested = {c.name for loop in self.inner for c in loop.collectives}
+        return tuple(c for c in self.collectives if c.name not in nested)
 
 
 def _iota(dims: str, source: str, transpose: str | None) -> np.ndarray:
@@ -228,25 +234,27 @@ def loops(hlo_text: str) -> list[Loop]:
                 found += collectives_under(called, seen)
         return found
 
-    found: list[Loop] = []
+    def loop_of(line: str, body: str) -> Loop:
+        op_name = m.group(1) if (m := _OP_NAME.search(line)) else ""
+        trip = int(m.group(1)) if (m := _TRIP_COUNT.search(line)) else None
+        direction = "backward" if "transpose(" in op_name else "forward"
+        inner = tuple(loops_under(body, set()))
+        return Loop(direction, trip, tuple(collectives_under(body, set())), inner)
 
-    def visit(name: str, seen: set[str]) -> None:
+    def loops_under(name: str, seen: set[str]) -> list[Loop]:
         if name in seen or name not in computations:
-            return
+            return []
         seen.add(name)
+        found: list[Loop] = []
         for line in computations[name]:
             if re.search(r"\swhile\(", line) and (body := re.search(r"\bbody=%?([\w.\-]+)", line)):
-                op_name = m.group(1) if (m := _OP_NAME.search(line)) else ""
-                trip = int(m.group(1)) if (m := _TRIP_COUNT.search(line)) else None
-                direction = "backward" if "transpose(" in op_name else "forward"
-                found.append(Loop(direction, trip, tuple(collectives_under(body[1], set()))))
+                found.append(loop_of(line, body[1]))
                 continue
             for called in _called(line):
-                visit(called, seen)
+                found += loops_under(called, seen)
+        return found
 
-    if entry is not None:
-        visit(entry, set())
-    return found
+    return loops_under(entry, set()) if entry is not None else []
 
 
 def outside_loops(hlo_text: str) -> list[tuple[str, Collective]]:

@@ -22,7 +22,13 @@ from migrate.config import Config, load_config  # noqa: E402
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 # The float32 pipeline variants the unit tests run on this session's 8 devices.
-TINY_CONFIGS = ("llama2-tiny", "llama2-tiny-scan", "llama2-tiny-delay", "llama2-tiny-agonce")
+TINY_CONFIGS = (
+    "llama2-tiny",
+    "llama2-tiny-scan",
+    "llama2-tiny-delay",
+    "llama2-tiny-agonce",
+    "llama2-tiny-agrepeat",
+)
 # Every shipped tiny config (the CLI's config matrix): also tensor parallelism, bfloat16, and
 # the 16-device data x fsdp x tensor x stage mesh, and mixture-of-experts layers (mixtral-tiny).
 SHIPPED_TINY_CONFIGS = tuple(sorted(p.stem for p in CONFIG_DIR.glob("*-tiny*.yml")))

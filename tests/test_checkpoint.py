@@ -427,3 +427,33 @@ def test_a_checkpoint_manager_step_is_a_checkpoint(tmp_path):
     restored = checkpoint_io.restore(tmp_path / "42", spec, mesh)
     assert restored.step == 42
     assert_bit_exact(linen_form(restored, "nnx"), linen_form(state, "nnx"))
+
+
+# ------------------------------------------------------------------ weight tying
+
+
+def test_a_tied_checkpoint_converts_with_one_shared_leaf_and_refuses_an_untied_config(
+    linen_ckpt, tmp_path
+):
+    """llama2-tiny-tied: the table is one leaf on each side (no logits head leaf, in the
+    weights and in both moments), re-staged and verified bit for bit; reading it for the untied
+    config, or an untied checkpoint for the tied config, is refused naming the key."""
+    cfg, mesh = setup("llama2-tiny-tied")
+    spec = Spec("linen", "pipeline", cfg)
+    checkpoint_io.save(tmp_path / "tied", spec, random_state(spec, mesh))
+    out = checkpoint.convert_checkpoint(
+        tmp_path / "tied", tmp_path / "nnx", cfg, "linen", "nnx", changes=RESTAGED, verify=True
+    )
+    assert out.checks == ("bit-exact",) and not out.differences
+    assert out.arrays == 37 - 3  # no logits_dense kernel, nor its two moments
+    arrays = meta.read_meta(tmp_path / "nnx")["arrays"]
+    assert not any("logits_dense" in key for key in arrays)
+    assert sum("token_embedder" in key for key in arrays) == 3  # the weight and its moments
+
+    untied = cfg.replace(logits_via_embedding=False)
+    for src, config, written in ((tmp_path / "tied", untied, "true"), (linen_ckpt, cfg, "false")):
+        with pytest.raises(CheckpointError) as error:
+            checkpoint.convert_checkpoint(src, tmp_path / "dst", config, "linen", "nnx")
+        assert f"written with logits_via_embedding={written}" in str(error.value)
+        assert f"pass logits_via_embedding={written}" in str(error.value)
+        assert not (tmp_path / "dst").exists()

@@ -166,6 +166,10 @@ RULES = [
         ("num_pipeline_microbatches=16",),
         ["microbatch size 1", "M=16", "each microbatch must split over data x fsdp"],
     ),
+    (
+        ("pipeline_fsdp_ag_per_repeat=true", "num_pipeline_repeats=1", "base_num_decoder_layers=4"),
+        ["pipeline_fsdp_ag_per_repeat=true", "num_pipeline_repeats=1 (R=1)", "R >= 2"],
+    ),
 ]
 
 

@@ -512,6 +512,161 @@ def test_issue_12_kinds_are_caught_on_other_configs(bug, monkeypatch, fresh_nnx,
     assert place in where[check], where[check]
 
 
+# ------------------------------------------------------------------ issue 16: weight tying
+# Bugs of a tied head (`logits_via_embedding: true`) on llama2-tiny-tied.
+
+TINY_TIED = str(CONFIG_DIR / "llama2-tiny-tied.yml")
+
+
+def tied_head_without_gradient(monkeypatch):
+    """The NNX head reads the table through `stop_gradient`: the logits are unchanged, but the
+    embedding's gradient loses the head's share and keeps only the lookup's."""
+
+    def attend(self, x):
+        dtype = numerics.activation_dtype(self.config)
+        table = jax.lax.stop_gradient(self.embedding[...])
+        return jnp.tensordot(
+            x.astype(dtype),
+            table.astype(dtype),
+            axes=((x.ndim - 1,), (1,)),
+            precision=numerics.precision(self.config),
+        )
+
+    monkeypatch.setattr(nnx_layers.Embed, "attend", attend)
+
+
+def untied_head_on_one_side(monkeypatch):
+    """The NNX decoder ignores `logits_via_embedding`: it builds (and uses) its own
+    `logits_dense` head where Linen ties the head to the embedding."""
+    import migrate.nnx.decoder as nnx_decoder
+
+    original = nnx_decoder.Decoder.__init__
+
+    def init(self, config, *args, **kwargs):
+        original(self, config.replace(logits_via_embedding=False), *args, **kwargs)
+
+    monkeypatch.setattr(nnx_decoder.Decoder, "__init__", init)
+
+
+def test_a_tied_head_without_the_logits_gradient_fails_grads_at_the_embedding(
+    monkeypatch, fresh_nnx, tmp_path
+):
+    tied_head_without_gradient(monkeypatch)
+    status, report = run_cli(tmp_path, TINY_TIED, "--checks=forward,grads")
+    assert status == cli.EXIT_FAIL
+    where = failing(report)
+    assert set(where) == {"grads"}, where  # forward values are untouched
+    assert "grads/params/token_embedder/embedding" in where["grads"], where["grads"]
+
+
+def test_an_untied_head_on_one_side_fails_init_at_the_logits_kernel(
+    monkeypatch, fresh_nnx, tmp_path
+):
+    untied_head_on_one_side(monkeypatch)
+    status, report = run_cli(tmp_path, TINY_TIED, "--checks=init")
+    assert status == cli.EXIT_FAIL
+    where = failing(report)
+    assert set(where) == {"init"}, where
+    assert "logits_dense/kernel" in where["init"], where["init"]
+
+
+# ------------------------------------------------------------------ multi-slice (issue 16)
+# The NNX port builds its mesh the way NNX's examples do, `jax.make_mesh` over the mesh's
+# sizes (ici x dcn per axis), instead of MaxText's hybrid mesh: the devices in order,
+# reshaped, with no grouping into slices. The values cannot show it (the same arithmetic on
+# other devices); on a multi-slice mesh with data parallelism inside each slice, the weights
+# land on devices laid out data-major, so the stages no longer sit in their slices.
+MULTISLICE = str(CONFIG_DIR / "llama2-tiny-multislice.yml")
+
+
+def mesh_without_slices(monkeypatch):
+    """The NNX decoder built and placed on `jax.make_mesh(ici x dcn sizes)`."""
+    from jax.sharding import AxisType
+
+    import migrate.nnx.decoder as nnx_decoder
+    from migrate.config import MESH_AXES
+
+    original = nnx_decoder.init_model
+
+    def init_model(cfg, mesh, *args, **kwargs):
+        sizes = tuple(cfg.mesh_shape[a] for a in MESH_AXES)
+        flat = jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+        return original(cfg, flat, *args, **kwargs)
+
+    monkeypatch.setattr(nnx_decoder, "init_model", init_model)
+
+
+def test_mesh_without_slices_is_caught_on_the_multislice_config(monkeypatch, fresh_nnx, tmp_path):
+    """Caught by `sharding`, on the first parameter, with the device order it landed on; on a
+    one-slice config the same code is no bug (its mesh is the devices in order) and passes."""
+    mesh_without_slices(monkeypatch)
+    status, report = run_cli(tmp_path, MULTISLICE, "--checks=sharding")
+    assert status == cli.EXIT_FAIL
+    where = failing(report)
+    assert set(where) == {"sharding"}, where
+    assert where["sharding"] == "decoder_norm/scale: placed"
+    (check,) = report["checks"]
+    placed = [r for r in check["details"] if r["tensor"].endswith(": placed")]
+    assert placed and not any(r["passed"] for r in placed)  # every parameter, on either mesh
+    assert all("on mesh devices [0, 1, 2, 3, 4, 5, 6, 7]" in r["nnx"] for r in placed)
+    assert all("on mesh devices" not in r["linen"] for r in placed)
+
+    status, report = run_cli(tmp_path, TINY, "--checks=sharding")
+    assert status == cli.EXIT_PASS, failing(report)
+
+
+# ================================================================== issue 16: ag per repeat
+# `pipeline_fsdp_ag_per_repeat` bugs in the NNX twin, on llama2-tiny-agrepeat (R = 3: the
+# window moves). bug, checks to run, {failing check: text its `where` must contain}
+TINY_AGREPEAT = str(CONFIG_DIR / "llama2-tiny-agrepeat.yml")
+
+
+def window_one_repeat_late(monkeypatch):
+    """Each block's weight window starts at repeat b instead of b - 1: a stage still finishing
+    repeat b - 1 (its first d*s iterations of the block) runs repeat b's weights."""
+    wrong = types.SimpleNamespace(**vars(nnx_pipeline.schedule))
+    wrong.window_start = lambda cfg, block: jnp.clip(block, 0, cfg.num_repeats - 2)
+    monkeypatch.setattr(nnx_pipeline, "schedule", wrong)
+
+
+def window_not_gathered(monkeypatch):
+    """The window sliced but never constrained: the same values, left to XLA, which gathers
+    the weights over fsdp in every iteration (the per-iteration mode's traffic)."""
+
+    def all_gather_window(self, weights, start, length):
+        return jax.tree.map(
+            lambda w: jax.lax.dynamic_slice_in_dim(w, start, length, axis=0), weights
+        )
+
+    monkeypatch.setattr(nnx_pipeline.Pipeline, "all_gather_window", all_gather_window)
+
+
+AG_PER_REPEAT_BUGS = [
+    (
+        window_one_repeat_late,
+        "forward,pipeline",
+        {"forward": "logits", "pipeline": "nnx/", "layers": "iteration 8/stage 1"},
+    ),
+    (
+        window_not_gathered,
+        "compile",
+        {"compile": "loop body forward: all-gather over fsdp (ag-per-repeat)"},
+    ),
+]
+
+
+@pytest.mark.parametrize("bug", AG_PER_REPEAT_BUGS, ids=[b[0].__name__ for b in AG_PER_REPEAT_BUGS])
+def test_ag_per_repeat_bugs_are_caught(bug, monkeypatch, fresh_nnx, tmp_path):
+    inject, selected, expected = bug
+    inject(monkeypatch)
+    status, report = run_cli(tmp_path, TINY_AGREPEAT, f"--checks={selected}")
+    assert status == cli.EXIT_FAIL
+    where = failing(report)
+    assert set(where) == set(expected), where
+    for check, place in expected.items():
+        assert place in where[check], (check, where[check])
+
+
 # ------------------------------------------------------------------ issue 16: MoE layers
 # Bugs of the mixture-of-experts pipeline (mixtral-tiny), each caught at its place.
 

@@ -93,3 +93,23 @@ def test_loop_and_remat_variants_equal_the_reference(overrides):
     default, _ = pipelined_and_reference("llama2-tiny")
     # Remat and unrolling change the schedule of the computation, not its arithmetic.
     assert_runs_match(pipelined, default, compare.F32_RESHAPED)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("scan_pipeline_iterations=false",),  # unrolled blocks
+        ("pipeline_delay_activation_forwarding=true",),  # d = 2: stages lag 2s iterations
+    ],
+    ids=["unrolled", "delay"],
+)
+def test_ag_per_repeat_equals_gathering_per_iteration(overrides):
+    """`pipeline_fsdp_ag_per_repeat` (R = 3, the window moves) against the per-iteration mode
+    on the same weights: the same values reach the same matmuls."""
+    per_repeat, reference = pipelined_and_reference("llama2-tiny-agrepeat", *overrides)
+    per_iteration, _ = pipelined_and_reference(
+        "llama2-tiny-agrepeat", *overrides, "pipeline_fsdp_ag_per_repeat=false"
+    )
+    assert_runs_match(per_repeat, per_iteration, compare.F32_RESHAPED)
+    assert_runs_match(per_repeat, reference, compare.F32_RESHAPED)

@@ -190,6 +190,14 @@ def test_every_tiny_config_communicates_at_the_minimum(name):
         assert across == [f"loop body {direction}: collective-permute across stages"]
     if tiny(name).pipeline_fsdp_ag_once:
         assert by_tensor["loop body forward: all-gather over fsdp (ag-once)"]["nnx"] == 0
+    if tiny(name).pipeline_fsdp_ag_per_repeat:
+        for direction in cost.DIRECTIONS:
+            in_loop = by_tensor[f"loop body {direction}: all-gather over fsdp (ag-per-repeat)"]
+            assert in_loop["linen"] == in_loop["nnx"] == 0
+        # Forward: one gather per weight of the window per block; backward: the same again,
+        # recomputed under the block's remat (XLA's combiner may merge some).
+        per_repeat = by_tensor["repeat body forward: all-gather over fsdp (ag-per-repeat)"]
+        assert per_repeat["linen"] == per_repeat["nnx"] >= 1
     assert "loop body across stages fwd/bwd: collective-permute 1/1" in result.message
 
 

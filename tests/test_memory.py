@@ -19,7 +19,7 @@ def traced_parameters(cfg) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(nn.meta.unbox(variables)))
 
 
-@pytest.mark.parametrize("name", [*TINY_CONFIGS, "mixtral-tiny"])
+@pytest.mark.parametrize("name", [*TINY_CONFIGS, "llama2-tiny-tied", "mixtral-tiny"])
 def test_parameter_count_is_the_traced_models_in_either_layout(name):
     cfg = tiny(name)
     assert memory.parameter_count(cfg) == traced_parameters(cfg)  # pipeline layout

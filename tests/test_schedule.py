@@ -79,3 +79,28 @@ def test_bubble_count_matches_the_bubble_fraction():
     table = _simulate(cfg)
     bubbles = sum(v is None for v in table.values())
     assert bubbles / len(table) == pytest.approx(cfg.bubble_fraction)
+
+
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("llama2-tiny-agrepeat", ()),
+        ("llama2-tiny-delay", ("pipeline_fsdp_ag_per_repeat=true",)),
+        ("llama2-tiny", ("pipeline_fsdp_ag_per_repeat=true",)),
+    ],
+)
+def test_each_block_window_holds_every_stage_repeat(name, overrides):
+    """`pipeline_fsdp_ag_per_repeat`: during block b (iterations b*M .. b*M + M - 1, block R
+    the drain) every stage's repeat, bubbles' clipped ones too, is one of the two repeats
+    `window_start(b), window_start(b) + 1`; and the window moves (traced and Python agree)."""
+    cfg = tiny(name, *overrides)
+    m, r = cfg.num_microbatches, cfg.num_repeats
+    starts = []
+    for t in range(cfg.num_iterations):
+        block = min(t // m, r)
+        start = schedule.window_start(cfg, block)
+        assert int(schedule.window_start(cfg, np.int32(block))) == start
+        _, repeats, _ = (np.asarray(a) for a in schedule.stage_work(cfg, t))
+        assert set((repeats - start).tolist()) <= {0, 1}, (t, repeats, start)
+        starts.append(start)
+    assert starts[0] == 0 and starts[-1] == r - 2

@@ -60,11 +60,11 @@ def test_every_parameter_has_one_logical_name_per_dimension(name, use_pipeline):
     boxes = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
     # 9 per layer, 10 with experts (router + 3 stacked expert kernels for the MLP's 3) (per
     # in-stage slot when the L layers of a stage are separate modules) + embedding, final
-    # norm, logits.
+    # norm, and the logits kernel unless the embedding is the head (tied).
     slots = cfg.layers_per_stage if cfg.using_pipeline and use_pipeline is None else 1
     slots = 1 if cfg.scan_layers_per_stage else slots
     per_layer = 10 if cfg.num_experts > 1 else 9
-    assert len(boxes) == per_layer * slots + 3
+    assert len(boxes) == per_layer * slots + (2 if cfg.logits_via_embedding else 3)
     for box in boxes:
         assert isinstance(box, nn.LogicallyPartitioned)
         assert len(box.names) == box.value.ndim, (box.names, box.value.shape)

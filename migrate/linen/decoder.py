@@ -19,7 +19,9 @@ from migrate.linen.pipeline import Pipeline, scan_layers
 
 class Decoder(nn.Module):
     """llama2-style decoder. `use_pipeline=None` follows the config (pipeline when S > 1);
-    `False` gives the non-pipelined reference, all layers stacked on one `layers` axis.
+    `False` gives the non-pipelined reference, all layers stacked on one `layers` axis. With
+    `logits_via_embedding` the token embedding is also the logits head (`Embed.attend`) and no
+    `logits_dense` exists: the table's gradient sums both uses.
 
     Returns `(logits, aux)`: aux the load-balancing losses of the MoE layers (0 without
     experts), summed over layers; each layer's is a mean over the batch's sequences, so the
@@ -33,7 +35,8 @@ class Decoder(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg, rules = self.config, self.config.logical_axis_rules
-        x = Embed(cfg, name="token_embedder")(tokens)
+        token_embedder = Embed(cfg, name="token_embedder")
+        x = token_embedder(tokens)
         x = nn.with_logical_constraint(
             x, axes.LOGITS_BATCH_LENGTH_EMBED, rules=rules, mesh=self.mesh
         )
@@ -59,9 +62,14 @@ class Decoder(nn.Module):
                 layer, x, positions, cfg.base_num_decoder_layers, axes.REFERENCE_LAYERS
             )
         x = RMSNorm(cfg, name="decoder_norm")(x)
-        logits = DenseGeneral(
-            (cfg.base_emb_dim,), (cfg.vocab_size,), axes.LOGITS_KERNEL, cfg, name="logits_dense"
-        )(x)
+        head = (
+            token_embedder.attend
+            if cfg.logits_via_embedding
+            else DenseGeneral(
+                (cfg.base_emb_dim,), (cfg.vocab_size,), axes.LOGITS_KERNEL, cfg, name="logits_dense"
+            )
+        )
+        logits = head(x)
         logits = logits.astype(jnp.float32)
         logits = nn.with_logical_constraint(
             logits, axes.LOGITS_BATCH_LENGTH_VOCAB, rules=rules, mesh=self.mesh

@@ -52,20 +52,36 @@ class DenseGeneral(nn.Module):
 
 
 class Embed(nn.Module):
-    """Token id -> embedding row."""
+    """Token id -> embedding row; `attend` reuses the table as the logits head (tied)."""
 
     config: Config
 
-    @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def setup(self) -> None:
         cfg = self.config
-        table = self.param(
+        self.embedding = self.param(
             "embedding",
             nn.with_logical_partitioning(numerics.embedding_init, axes.EMBEDDING),
             (cfg.vocab_size, cfg.base_emb_dim),
             numerics.weight_dtype(cfg),
         )
-        return jnp.take(table, tokens, axis=0).astype(numerics.activation_dtype(cfg))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        table = self.embedding
+        return jnp.take(table, tokens, axis=0).astype(numerics.activation_dtype(self.config))
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """Logits `x @ embedding.T` in the activation dtype and matmul precision.
+
+        The plain form: no `1/sqrt(emb)` scaling (MaxText's `normalize_embedding_logits:
+        false`, as its tied llama-family configs set it) and no soft cap.
+        """
+        dtype = numerics.activation_dtype(self.config)
+        return jnp.tensordot(
+            x.astype(dtype),
+            self.embedding.astype(dtype),
+            axes=((x.ndim - 1,), (1,)),
+            precision=numerics.precision(self.config),
+        )
 
 
 class RMSNorm(nn.Module):

@@ -21,7 +21,9 @@ from migrate.nnx.pipeline import Pipeline, scan_layers, stack_modules
 
 class Decoder(nnx.Module):
     """llama2-style decoder. `use_pipeline=None` follows the config (pipeline when S > 1);
-    `False` gives the non-pipelined reference, all layers stacked on one `layers` axis.
+    `False` gives the non-pipelined reference, all layers stacked on one `layers` axis. With
+    `logits_via_embedding` the token embedding is also the logits head (`Embed.attend`) and no
+    `logits_dense` exists: the table's gradient sums both uses.
 
     Returns `(logits, aux)`: aux the load-balancing losses of the MoE layers (0 without
     experts), summed over layers; each layer's is a mean over the batch's sequences, so the
@@ -50,9 +52,10 @@ class Decoder(nnx.Module):
                 rngs,
             )
         self.decoder_norm = RMSNorm(cfg, rngs=rngs)
-        self.logits_dense = DenseGeneral(
-            (cfg.base_emb_dim,), (cfg.vocab_size,), axes.LOGITS_KERNEL, cfg, rngs=rngs
-        )
+        if not cfg.logits_via_embedding:
+            self.logits_dense = DenseGeneral(
+                (cfg.base_emb_dim,), (cfg.vocab_size,), axes.LOGITS_KERNEL, cfg, rngs=rngs
+            )
 
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg, rules = self.config, self.config.logical_axis_rules
@@ -68,7 +71,8 @@ class Decoder(nnx.Module):
         else:
             x, aux = scan_layers(self.layers, x, positions, numerics.remat_policy(cfg))
         x = self.decoder_norm(x)
-        logits = self.logits_dense(x)
+        head = self.token_embedder.attend if cfg.logits_via_embedding else self.logits_dense
+        logits = head(x)
         logits = logits.astype(jnp.float32)
         logits = sharding.constrain(logits, axes.LOGITS_BATCH_LENGTH_VOCAB, self.mesh, rules)
         return logits, aux

@@ -58,7 +58,7 @@ class DenseGeneral(nnx.Module):
 
 
 class Embed(nnx.Module):
-    """Token id -> embedding row."""
+    """Token id -> embedding row; `attend` reuses the table as the logits head (tied)."""
 
     def __init__(self, config: Config, *, rngs: nnx.Rngs) -> None:
         self.config = config
@@ -74,6 +74,20 @@ class Embed(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         table = self.embedding[...]
         return jnp.take(table, tokens, axis=0).astype(numerics.activation_dtype(self.config))
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """Logits `x @ embedding.T` in the activation dtype and matmul precision.
+
+        The plain form: no `1/sqrt(emb)` scaling (MaxText's `normalize_embedding_logits:
+        false`, as its tied llama-family configs set it) and no soft cap.
+        """
+        dtype = numerics.activation_dtype(self.config)
+        return jnp.tensordot(
+            x.astype(dtype),
+            self.embedding[...].astype(dtype),
+            axes=((x.ndim - 1,), (1,)),
+            precision=numerics.precision(self.config),
+        )
 
 
 class RMSNorm(nnx.Module):

@@ -11,6 +11,7 @@ measured compile time and temp memory of both.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -142,8 +143,64 @@ class Pipeline(nnx.Module):
 
         return jax.tree.map(gather, weights, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
+    def all_gather_window(self, weights: nnx.State, start, length: int) -> nnx.State:
+        """Repeats `start .. start + length - 1` of the stage weights `[R, S, ...]`, gathered
+        over `fsdp` by one constraint (still split over stages and tensor)."""
+        cfg = self.config
+
+        def gather(variable: nnx.Variable) -> nnx.Variable:
+            names = variable.get_metadata()["out_sharding"]
+            # Sliced while still split over fsdp, then gathered: left to choose, XLA gathers
+            # all R repeats before the loop and slices them, as ag-once does.
+            window = jax.lax.dynamic_slice_in_dim(variable[...], start, length, axis=0)
+            window = sharding.constrain(window, tuple(names), self.mesh, cfg.logical_axis_rules)
+            spec = sharding.gathered_over_fsdp(tuple(names), self.mesh, cfg)
+            return variable.replace(jax.lax.with_sharding_constraint(window, spec))
+
+        return jax.tree.map(gather, weights, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def loop_per_repeat(self, iteration, weights, loop_state):
+        """The iterations as R blocks of M and the drain (block R), each block running on the
+        two-repeat window of the stage weights (`schedule.window_start`) that one all-gather
+        over `fsdp` fetches at its start (`pipeline_fsdp_ag_per_repeat`).
+
+        The window is computed inside the block rather than carried from the last one: a carry
+        is kept for the backward pass once per block (R windows, more than gathering once); under
+        the iteration's remat policy the backward pass gathers the window again instead.
+        """
+        cfg = self.config
+        num_micro, scanned = cfg.num_microbatches, cfg.scan_pipeline_iterations
+
+        def block(count, state, b):
+            start = schedule.window_start(cfg, b)
+            window = self.all_gather_window(weights, start, 2)
+            step = functools.partial(iteration, window, start)
+            return schedule.iterate(step, state, b * num_micro, count, scanned)
+
+        policy = numerics.remat_policy(cfg)
+        if cfg.set_remat_policy_on_pipeline_iterations and policy is not None:
+            block = jax.checkpoint(block, policy=policy, prevent_cse=not scanned, static_argnums=0)
+        repeats = cfg.num_repeats
+        if scanned:
+            loop_state, history = jax.lax.scan(
+                functools.partial(block, num_micro), loop_state, jnp.arange(repeats)
+            )
+            history = None if history is None else history.reshape(-1, *history.shape[2:])
+        else:
+            histories = []
+            for b in range(repeats):
+                loop_state, out = block(num_micro, loop_state, b)
+                histories.append(out)
+            history = None if histories[0] is None else jnp.concatenate(histories)
+        drain = cfg.num_iterations - num_micro * repeats
+        loop_state, drained = block(drain, loop_state, repeats)
+        if history is not None and drained is not None:
+            history = jnp.concatenate([history, drained])
+        return loop_state, history
+
     def run_stages(self, graphdef, weights, stage_inputs, stage_positions, repeat_ids):
-        """Every stage applies its layers (for its current repeat) to its input, in parallel:
+        """Every stage applies its layers (for its current repeat: `repeat_ids` index the
+        leading axis of `weights`, all R repeats or a window of them) to its input, in parallel:
         (outputs `[S, ...]`, load-balancing losses `[S]`);
         on fsdp x tensor meshes with that repeat's weights gathered over `fsdp` for the visit
         (`sharding.stage_weights_need_gathering`)."""
@@ -196,7 +253,7 @@ class Pipeline(nnx.Module):
             "aux": sharding.constrain(jnp.zeros(cfg.num_stages), axes.PER_STAGE, mesh, rules),
         }
 
-        def iteration(state, t):
+        def iteration(window, first_repeat, state, t):
             micro_ids, repeat_ids, valid = schedule.stage_work(cfg, t)
             stage_inputs = schedule.first_stage_input(state["store"], state["shift"], num_micro, t)
             # Idle slots compute on zeros: NaN x 0 in the backward pass would poison gradients.
@@ -206,7 +263,11 @@ class Pipeline(nnx.Module):
                 stage_inputs, axes.STAGE_BATCH_LENGTH_EMBED, mesh, rules
             )
             stage_outputs, stage_aux = self.run_stages(
-                graphdef, weights, stage_inputs, micro_positions[micro_ids], repeat_ids
+                graphdef,
+                window,
+                stage_inputs,
+                micro_positions[micro_ids],
+                repeat_ids - first_repeat,
             )
             # The schedule's one collective per iteration: outputs move one stage right. The
             # rotation wraps the last stage's output around to stage 0, which stores it locally.
@@ -230,16 +291,16 @@ class Pipeline(nnx.Module):
             iteration = jax.checkpoint(
                 iteration, policy=policy, prevent_cse=not cfg.scan_pipeline_iterations
             )
-        if cfg.scan_pipeline_iterations:
-            loop_state, history = jax.lax.scan(
-                iteration, loop_state, jnp.arange(cfg.num_iterations)
-            )
+        if cfg.pipeline_fsdp_ag_per_repeat:
+            loop_state, history = self.loop_per_repeat(iteration, weights, loop_state)
         else:
-            history = []
-            for t in range(cfg.num_iterations):
-                loop_state, stage_outputs = iteration(loop_state, jnp.asarray(t))
-                history.append(stage_outputs)
-            history = jnp.stack(history) if trace else None
+            loop_state, history = schedule.iterate(
+                functools.partial(iteration, weights, 0),
+                loop_state,
+                0,
+                cfg.num_iterations,
+                cfg.scan_pipeline_iterations,
+            )
         # Stage 0's row holds the finished outputs: broadcast to every stage once, after the loop.
         outputs = schedule.merge_microbatches(loop_state["store"][0])
         aux = jnp.sum(loop_state["aux"]) / num_micro

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from migrate.config import Config
 from parity import compare, hlo
-from parity.decoder import cost
+from parity.decoder import cost, slices
 from parity.decoder.session import BUBBLE_POISON, DecoderPair
 from parity.engine import checks as engine_checks
 from parity.engine import programs
@@ -140,6 +140,8 @@ def compile_cost(pair: DecoderPair) -> CheckResult:
         )
     outside, outside_summary = outside_loop_records(dict(mesh.shape), linen_cost, nnx_cost)
     records += outside
+    slice_records, slice_summary = slices.records(cfg, mesh, linen_cost, nnx_cost)
+    records += slice_records
     failing = [r for r in records if not r["passed"]]
     # The worst of what is gated: compile time and bytes accessed are reported, not held;
     # loop-body counts are gated against their own minimum.
@@ -165,6 +167,7 @@ def compile_cost(pair: DecoderPair) -> CheckResult:
     )
     per_device += "; same optimised program" if same_program else "; programs differ"
     per_device += f"; {loop_summary}; {outside_summary}"
+    per_device += f"; {slice_summary}" if slice_summary else ""
     return CheckResult(
         name="compile",
         passed=not failing,
@@ -222,15 +225,29 @@ def loop_body_records(
                     "passed": excess <= 0,
                 }
             )
-        if cfg.pipeline_fsdp_ag_once:
+        if cfg.pipeline_fsdp_ag_once or cfg.pipeline_fsdp_ag_per_repeat:
+            mode = "ag-once" if cfg.pipeline_fsdp_ag_once else "ag-per-repeat"
             seen = {fw: c.fsdp_all_gathers[direction] for fw, c in counts.items()}
             records.append(
                 {
-                    "tensor": f"loop body {direction}: all-gather over fsdp (ag-once)",
+                    "tensor": f"loop body {direction}: all-gather over fsdp ({mode})",
                     **seen,
                     "minimum": 0,
                     "max_rel": float(max(seen.values())),
                     "passed": not any(seen.values()),
+                }
+            )
+        if cfg.pipeline_fsdp_ag_per_repeat and cfg.ici_fsdp_parallelism > 1:
+            # The window's gather must stay in the repeat loop: hoisted before it, all R
+            # repeats are gathered at once (ag-once's memory).
+            seen = {fw: c.repeat_fsdp_all_gathers[direction] for fw, c in counts.items()}
+            records.append(
+                {
+                    "tensor": f"repeat body {direction}: all-gather over fsdp (ag-per-repeat)",
+                    **seen,
+                    "minimum": 1,
+                    "max_rel": float(min(seen.values()) < 1),
+                    "passed": min(seen.values()) >= 1 and len(set(seen.values())) == 1,
                 }
             )
         records.append(

@@ -268,13 +268,18 @@ def loop_body_minimum(cfg: Config) -> dict[str, dict[str, int]]:
       stage (a local carry): still one rotation.
     - Scanned layers per stage and `pipeline_fsdp_ag_once` change what happens within a
       stage (a nested loop; the fsdp all-gather hoisted before the loop), not across stages.
+    - `pipeline_fsdp_ag_per_repeat` splits the loop into R blocks of M iterations (a loop
+      over repeats around the iteration loop) and a drain: the fsdp all-gather of each
+      block's weight window moves into the repeat loop's body, once per block (within a
+      stage); the iteration body is the same, so the same one rotation per iteration.
     - Backward: each forward step's transpose. The rotation's is the opposite rotation, one
       permute (`schedule.permutation`); the buffer's reads and writes transpose to local
       writes and reads; weight gradients accumulate on the stage that owns the weights.
 
     Collectives within a stage (over data, fsdp or tensor) are the layers' own, the same a
     non-pipelined layer issues; they are reported, and bounded only where the config
-    removes them (`pipeline_fsdp_ag_once`: no all-gather over fsdp in the loop).
+    removes them (`pipeline_fsdp_ag_once`, `pipeline_fsdp_ag_per_repeat`: no all-gather over
+    fsdp in the iteration loop; per repeat, at least one in the repeat loop's body).
     A config without a pipeline (S == 1) or with the loop unrolled has no loop body: empty.
     """
     if not cfg.using_pipeline or not cfg.scan_pipeline_iterations:
@@ -306,27 +311,52 @@ class LoopBodyCounts:
     fsdp_all_gathers: dict[str, int]  # direction -> all-gathers whose groups span fsdp
     across_names: dict[str, dict[str, list[str]]]  # direction -> kind -> instruction names
     loops_found: dict[str, int]  # direction -> pipeline loops found
+    # `pipeline_fsdp_ag_per_repeat`: direction -> fsdp all-gathers of the repeat loop's body
+    # outside its iteration loop (once per repeat)
+    repeat_fsdp_all_gathers: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def _gathers_over_fsdp(collectives, mesh_shape: dict[str, int]) -> int:
+    return sum(c.kind == "all-gather" and "fsdp" in c.mesh_axes(mesh_shape) for c in collectives)
+
+
+def pipeline_loops(cost: CompiledCost, cfg: Config) -> list[tuple[hlo.Loop, hlo.Loop | None]]:
+    """(iteration loop, the repeat loop around it or None): the outermost loops that run
+    `cfg.num_iterations` times, or with `pipeline_fsdp_ag_per_repeat` the loops of M iterations
+    inside the outermost loops of R blocks (the drain, d*(S-1) iterations on the last window,
+    is not counted: its body is the same iteration)."""
+    if not cfg.pipeline_fsdp_ag_per_repeat:
+        return [(loop, None) for loop in cost.loops if loop.trip_count == cfg.num_iterations]
+    return [
+        (inner, loop)
+        for loop in cost.loops
+        if loop.trip_count == cfg.num_repeats
+        for inner in loop.inner
+        if inner.trip_count == cfg.num_microbatches
+    ]
 
 
 def loop_body_counts(cost: CompiledCost, cfg: Config, mesh_shape: dict[str, int]) -> LoopBodyCounts:
-    """Count the collectives of the pipeline's iteration loops (the outermost loops that run
-    `cfg.num_iterations` times), forward and backward, against the mesh's axes."""
+    """Count the collectives of the pipeline's iteration loops (`pipeline_loops`), forward and
+    backward, against the mesh's axes; and those of the repeat loops around them."""
     across = {d: dict.fromkeys(hlo.COLLECTIVES, 0) for d in DIRECTIONS}
     within = {d: dict.fromkeys(hlo.COLLECTIVES, 0) for d in DIRECTIONS}
     fsdp_gathers = dict.fromkeys(DIRECTIONS, 0)
+    repeat_gathers = dict.fromkeys(DIRECTIONS, 0)
     names = {d: {kind: [] for kind in hlo.COLLECTIVES} for d in DIRECTIONS}
     found = dict.fromkeys(DIRECTIONS, 0)
-    for loop in cost.loops:
-        if loop.trip_count != cfg.num_iterations:
-            continue
-        found[loop.direction] += 1
+    for loop, repeat_loop in pipeline_loops(cost, cfg):
+        direction = (repeat_loop or loop).direction
+        found[direction] += 1
+        if repeat_loop is not None:
+            own = repeat_loop.own_collectives()
+            repeat_gathers[direction] += _gathers_over_fsdp(own, mesh_shape)
         for collective in loop.collectives:
             spanned = collective.mesh_axes(mesh_shape)
             if "stage" in spanned:
-                across[loop.direction][collective.kind] += 1
-                names[loop.direction][collective.kind].append(collective.name)
+                across[direction][collective.kind] += 1
+                names[direction][collective.kind].append(collective.name)
             else:
-                within[loop.direction][collective.kind] += 1
-            if collective.kind == "all-gather" and "fsdp" in spanned:
-                fsdp_gathers[loop.direction] += 1
-    return LoopBodyCounts(across, within, fsdp_gathers, names, found)
+                within[direction][collective.kind] += 1
+        fsdp_gathers[direction] += _gathers_over_fsdp(loop.collectives, mesh_shape)
+    return LoopBodyCounts(across, within, fsdp_gathers, names, found, repeat_gathers)

@@ -135,17 +135,24 @@ def _nnx_layer_fn(cfg: Config, mesh, mode):
     return jax.jit(apply)
 
 
-# The decoder outside its layers, in data-flow order.
-OUTER_PARTS = ("embedding", "decoder_norm", "logits_dense", "loss")
+# The decoder outside its layers, in data-flow order; the logits head is one of the last two
+# (`head_part`): its own kernel, or the token embedding's table (`Embed.attend`, tied).
+OUTER_PARTS = ("embedding", "decoder_norm", "logits_dense", "logits_via_embedding", "loss")
 _PARAMS_KEY = {
     "embedding": "token_embedder",
     "decoder_norm": "decoder_norm",
     "logits_dense": "logits_dense",
+    "logits_via_embedding": "token_embedder",
 }
 
 
+def head_part(cfg: Config) -> str:
+    """The drill-down part of the config's logits head."""
+    return "logits_via_embedding" if cfg.logits_via_embedding else "logits_dense"
+
+
 def _linen_outer(cfg: Config, part: str):
-    if part == "embedding":
+    if part in ("embedding", "logits_via_embedding"):
         return linen_layers.Embed(cfg)
     if part == "decoder_norm":
         return linen_layers.RMSNorm(cfg)
@@ -155,7 +162,7 @@ def _linen_outer(cfg: Config, part: str):
 
 
 def _nnx_outer(cfg: Config, part: str, rngs: nnx.Rngs):
-    if part == "embedding":
+    if part in ("embedding", "logits_via_embedding"):
         return nnx_layers.Embed(cfg, rngs=rngs)
     if part == "decoder_norm":
         return nnx_layers.RMSNorm(cfg, rngs=rngs)
@@ -169,7 +176,8 @@ def _linen_outer_fn(cfg: Config, part: str):
     if part == "loss":
         return jax.jit(linen_decoder.cross_entropy_loss)
     module = _linen_outer(cfg, part)
-    return jax.jit(lambda params, x: module.apply({"params": params}, x))
+    method = "attend" if part == "logits_via_embedding" else "__call__"
+    return jax.jit(lambda params, x: module.apply({"params": params}, x, method=method))
 
 
 @functools.cache
@@ -178,7 +186,8 @@ def _nnx_outer_fn(cfg: Config, part: str, mode):
     if part == "loss":
         return jax.jit(nnx_decoder.cross_entropy_loss)
     graphdef = _nnx_graphdef(lambda rngs: _nnx_outer(cfg, part, rngs))
-    return jax.jit(lambda params, x: nnx.merge(graphdef, params)(x))
+    method = "attend" if part == "logits_via_embedding" else "__call__"
+    return jax.jit(lambda params, x: getattr(nnx.merge(graphdef, params), method)(x))
 
 
 def _abstract(create) -> nnx.State:
@@ -254,7 +263,7 @@ def stages(
 
     out = [outer("embedding")]
     out += [layer(i) for i in range(cfg.base_num_decoder_layers)]
-    out += [outer("decoder_norm"), _cast_after(outer("logits_dense")), outer("loss")]
+    out += [outer("decoder_norm"), _cast_after(outer(head_part(cfg))), outer("loss")]
     if cfg.using_pipeline:
         out.append(_iterations(framework, cfg, mesh, native, positions))
     return out

@@ -42,6 +42,20 @@ def _shown(s: Any) -> Any:
     return getattr(s, "spec", s)
 
 
+def _device_ids(s: Any) -> list[int] | None:
+    devices = getattr(getattr(s, "mesh", None), "devices", None)
+    return None if devices is None else [d.id for d in devices.flat]
+
+
+def _placement(s: Any, expected: NamedSharding) -> Any:
+    """A placed array's spec, with its mesh's device order where that is not the expected
+    mesh's (the same spec over devices laid out differently: another mesh, or slices)."""
+    ids = _device_ids(s)
+    if ids is None or ids == _device_ids(expected):
+        return _shown(s)
+    return f"{_shown(s)} on mesh devices {ids}"
+
+
 def parameter_records(pair: Pair) -> list[dict]:
     """Per parameter: names; one name per dimension; with rules the resolved spec; with a
     mesh where each side's own arrays were placed."""
@@ -80,7 +94,7 @@ def parameter_records(pair: Pair) -> list[dict]:
             fact_record(
                 f"{where}: placed",
                 all(_equivalent(expected, s, ndim) for s in placed),
-                *(_shown(s) for s in placed),
+                *(_placement(s, expected) for s in placed),
             )
         )
     return records
