@@ -97,7 +97,7 @@ def main() -> None:
         params = jax.device_put(params, nnx_decoder.param_shardings(params, mesh, cfg))
 
         def apply(params, x):
-            return nnx.merge(graphdef, params)(x, positions)
+            return nnx.merge(graphdef, params)(x, positions)[0]  # (outputs, aux)
     else:
         model = linen_pipeline.Pipeline(cfg, mesh)
         variables = model.init(jax.random.key(0), x, positions)
@@ -106,7 +106,7 @@ def main() -> None:
         )
 
         def apply(params, x):
-            return model.apply({"params": params}, x, positions)
+            return model.apply({"params": params}, x, positions)[0]  # (outputs, aux)
 
     def loss(params, x):
         return jnp.sum(jnp.square(apply(params, x)))

@@ -79,7 +79,7 @@ def make_step(cfg: Config, mesh: Mesh, pipeline_cls: type[Pipeline]) -> Callable
     graphdef, _ = nnx.split(abstract)
 
     def loss_fn(params, batch):
-        logits = nnx.merge(graphdef, params)(batch["inputs"])
+        logits, _ = nnx.merge(graphdef, params)(batch["inputs"])
         return nnx_decoder.cross_entropy_loss(logits, batch["targets"]), logits
 
     return jax.jit(jax.value_and_grad(loss_fn, has_aux=True))

@@ -12,6 +12,11 @@ ATTENTION_OUT = ("heads", "kv", "embed")
 MLP_IN = ("embed", "mlp")
 MLP_OUT = ("mlp", "embed")
 LOGITS_KERNEL = ("embed", "vocab")
+# Mixture of experts (MaxText's names): the router is replicated over experts; expert weights
+# carry their expert dim as `exp` and their embed dim as `embed_no_exp`.
+ROUTER = ("embed", None)
+EXPERT_MLP_IN = ("exp", "embed_no_exp", "mlp")
+EXPERT_MLP_OUT = ("exp", "mlp", "embed_no_exp")
 
 # Stacked-layer axes, prepended to a layer's parameter names.
 REFERENCE_LAYERS = "layers"  # the non-pipelined decoder: all layers on one axis
@@ -39,6 +44,16 @@ BATCH_LENGTH_KV_HEADS_KV = (
     "activation_kv",
 )
 BATCH_LENGTH_MLP = ("activation_batch", "activation_length", "activation_mlp")
+# Inside a MoE block the tokens leave the `expert` axis (`activation_batch_no_exp`) so that it
+# can split the experts (`activation_exp`): each expert shard computes its experts for its tokens.
+BATCH_NO_EXP_LENGTH_EMBED = ("activation_batch_no_exp", "activation_length", "activation_embed")
+BATCH_NO_EXP_LENGTH_EXP_MLP = (
+    "activation_batch_no_exp",
+    "activation_length",
+    "activation_exp",
+    "activation_mlp",
+)
+PER_STAGE = ("activation_stage",)  # one value per stage (its summed load-balancing loss)
 STAGE_BATCH_LENGTH_EMBED = ("activation_stage", *BATCH_LENGTH_EMBED)
 MICROBATCH_BATCH_LENGTH_EMBED = (None, *BATCH_LENGTH_EMBED)
 STAGE_MICROBATCH_BATCH_LENGTH_EMBED = ("activation_stage", *MICROBATCH_BATCH_LENGTH_EMBED)

@@ -288,14 +288,13 @@ def _violations(cfg: Config) -> list[str]:
         f"per_device_batch_size={cfg.per_device_batch_size} x {cfg.num_devices} devices: "
         "the global batch must be a positive integer",
     )
-    batch_shards = cfg.mesh_shape["data"] * cfg.ici_fsdp_parallelism
+    batch_shards, batch_keys, batch_axes = _batch_split(cfg)
     if cfg.global_batch_size > 0:
         need(
             cfg.global_batch_size % batch_shards == 0,
             f"global batch {cfg.global_batch_size} (per_device_batch_size="
-            f"{cfg.per_device_batch_size} x {cfg.num_devices} devices), {_data_txt(cfg)}, "
-            f"ici_fsdp_parallelism={cfg.ici_fsdp_parallelism}: "
-            "the batch must be divisible by data x fsdp",
+            f"{cfg.per_device_batch_size} x {cfg.num_devices} devices), {batch_keys}: "
+            f"the batch must be divisible by {batch_axes}",
         )
     need(
         cfg.num_experts_per_tok <= cfg.num_experts,
@@ -352,6 +351,18 @@ def _data_txt(cfg: Config) -> str:
         f"data={cfg.mesh_shape['data']} (ici_data_parallelism={cfg.ici_data_parallelism} x "
         f"dcn_data_parallelism={cfg.dcn_data_parallelism})"
     )
+
+
+def _batch_split(cfg: Config) -> tuple[int, str, str]:
+    """(shards, the keys that size them, the axes) of the token batch: data x fsdp, times the
+    expert axis where `activation_batch` folds it in (MaxText's layout) and it is > 1."""
+    axes = ["data", "fsdp"]
+    keys = [_data_txt(cfg), f"ici_fsdp_parallelism={cfg.ici_fsdp_parallelism}"]
+    if "expert" in _rule_axes(cfg, "activation_batch") and cfg.ici_expert_parallelism > 1:
+        axes.append("expert")
+        keys.append(f"ici_expert_parallelism={cfg.ici_expert_parallelism}")
+    shards = math.prod(cfg.mesh_shape[a] for a in axes)
+    return shards, ", ".join(keys), " x ".join(axes)
 
 
 def _rule_axes(cfg: Config, logical_name: str) -> tuple[str, ...]:
@@ -418,12 +429,12 @@ def _pipeline_violations(cfg: Config) -> list[str]:
             f"num_pipeline_microbatches={m}: the batch must be divisible by M"
         )
     elif cfg.microbatch_size > 0:
-        shards = cfg.mesh_shape["data"] * cfg.ici_fsdp_parallelism
+        shards, batch_keys, batch_axes = _batch_split(cfg)
         if cfg.microbatch_size % shards != 0:
             out.append(
                 f"microbatch size {cfg.microbatch_size} (global batch "
-                f"{cfg.global_batch_size} / M={m}), {_data_txt(cfg)}, ici_fsdp_parallelism="
-                f"{cfg.ici_fsdp_parallelism}: each microbatch must split over data x fsdp"
+                f"{cfg.global_batch_size} / M={m}), {batch_keys}: each microbatch must split "
+                f"over {batch_axes}"
             )
     return out
 

@@ -4,11 +4,13 @@ memory this machine has before any weight is allocated.
 The bound counts only what certainly exists at once, each array once (no replication):
 
 - `parameters`: every weight of the decoder (embedding, per layer attention q/k/v/out, MLP
-  wi_0/wi_1/wo and two norms, final norm, logits kernel unless tied) in `weight_dtype`;
+  wi_0/wi_1/wo, or those of every expert and the router, and two norms, final norm, logits
+  kernel unless tied) in `weight_dtype`;
 - `optimizer`: AdamW's two moments (the parameters' dtype, as optax keeps them);
 - `gradients`: one gradient per parameter;
 - `activations`: the float32 logits of one step and the embedded tokens, and one layer's
-  float32 attention scores and MLP activations for the rows it runs at once (the pipeline: a
+  float32 attention scores and MLP activations (every expert's: the MoE block is dense) for the
+  rows it runs at once (the pipeline: a
   microbatch in each of the S stages; otherwise the whole batch).
 
 `parity` holds both twins at once (`copies=2`); a checkpoint command one state (`copies=1`,
@@ -39,7 +41,10 @@ def parameter_count(cfg: Config) -> int:
     """Weights of the decoder; the same for every layout (the pipeline stacks the N layers)."""
     e, f, n, v = cfg.base_emb_dim, cfg.base_mlp_dim, cfg.base_num_decoder_layers, cfg.vocab_size
     attention = e * cfg.head_dim * (2 * cfg.base_num_query_heads + 2 * cfg.base_num_kv_heads)
-    per_layer = attention + 3 * e * f + 2 * e  # q, o; k, v; wi_0, wi_1, wo; two norms
+    # wi_0, wi_1, wo once per expert (E=1: the dense MLP), plus the router's [e, E] kernel
+    experts = cfg.num_experts
+    mlp = experts * 3 * e * f + (e * experts if experts > 1 else 0)
+    per_layer = attention + mlp + 2 * e  # q, o; k, v; the MLP or experts; two norms
     tables = 1 if cfg.logits_via_embedding else 2  # embedding (and an untied logits kernel)
     return tables * v * e + e + n * per_layer  # tables, final norm, layers
 
@@ -78,7 +83,9 @@ def estimate(cfg: Config, copies: int = 2, gradients: bool = True) -> MemoryEsti
     tokens = cfg.global_batch_size * length
     rows = cfg.microbatch_size * cfg.num_stages if cfg.using_pipeline else cfg.global_batch_size
     one_layer = (
-        rows * length * (4 * cfg.base_num_query_heads * length + act_bytes * cfg.base_mlp_dim)
+        rows
+        * length
+        * (4 * cfg.base_num_query_heads * length + act_bytes * cfg.base_mlp_dim * cfg.num_experts)
     )
     activations = tokens * (4 * cfg.vocab_size + act_bytes * cfg.base_emb_dim) + one_layer
     return MemoryEstimate(

@@ -27,10 +27,15 @@ def precision(cfg: Config) -> jax.lax.Precision:
     return _PRECISION[cfg.matmul_precision]
 
 
-def kernel_init(in_axis: int | tuple[int, ...], out_axis: int | tuple[int, ...]):
-    """Fan-in truncated-normal init (MaxText's dense default) for a kernel of any rank."""
+def kernel_init(
+    in_axis: int | tuple[int, ...],
+    out_axis: int | tuple[int, ...],
+    batch_axis: int | tuple[int, ...] = (),
+):
+    """Fan-in truncated-normal init (MaxText's dense default) for a kernel of any rank;
+    `batch_axis` (the expert dim of stacked expert kernels) counts in neither fan."""
     return jax.nn.initializers.variance_scaling(
-        1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis
+        1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis, batch_axis=batch_axis
     )
 
 

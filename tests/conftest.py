@@ -30,8 +30,8 @@ TINY_CONFIGS = (
     "llama2-tiny-agrepeat",
 )
 # Every shipped tiny config (the CLI's config matrix): also tensor parallelism, bfloat16, and
-# the 16-device data x fsdp x tensor x stage mesh.
-SHIPPED_TINY_CONFIGS = tuple(sorted(p.stem for p in CONFIG_DIR.glob("llama2-tiny*.yml")))
+# the 16-device data x fsdp x tensor x stage mesh, and mixture-of-experts layers (mixtral-tiny).
+SHIPPED_TINY_CONFIGS = tuple(sorted(p.stem for p in CONFIG_DIR.glob("*-tiny*.yml")))
 
 
 def tiny(name: str, *overrides: str) -> Config:

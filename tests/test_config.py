@@ -11,7 +11,7 @@ from conftest import CONFIG_DIR, SHIPPED_TINY_CONFIGS, tiny
 from migrate.config import ConfigError, load_config, parse_overrides
 
 
-@pytest.mark.parametrize("name", [*SHIPPED_TINY_CONFIGS, "llama2-7b", "base"])
+@pytest.mark.parametrize("name", [*SHIPPED_TINY_CONFIGS, "llama2-7b", "mixtral-8x7b", "base"])
 def test_every_shipped_config_loads(name):
     cfg = load_config(CONFIG_DIR / f"{name}.yml")
     assert cfg.model_name == name if name != "base" else cfg.model_name == "base"

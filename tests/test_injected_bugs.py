@@ -14,6 +14,7 @@ from conftest import CONFIG_DIR
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+import migrate.nnx.decoder as nnx_decoder
 import migrate.nnx.layers as nnx_layers
 import migrate.nnx.pipeline as nnx_pipeline
 import migrate.nnx.train as nnx_train
@@ -143,12 +144,13 @@ def residual_dropped(monkeypatch):
         rules = self.config.logical_axis_rules
         x = jax.ad_checkpoint.checkpoint_name(x, axes.DECODER_LAYER_INPUT)
         x = x + self.self_attention(self.pre_self_attention_layer_norm(x), positions)
-        return nnx_layers.sharding.constrain(
+        out = nnx_layers.sharding.constrain(
             self.mlp(self.post_self_attention_layer_norm(x)),
             axes.BATCH_LENGTH_EMBED,
             self.mesh,
             rules,
         )
+        return out, jnp.zeros(())  # (x, the dense layer's load-balancing loss)
 
     monkeypatch.setattr(nnx_layers.DecoderLayer, "__call__", call)
 
@@ -185,8 +187,10 @@ def init_scale_wrong(monkeypatch):
 def init_family_swapped(monkeypatch):
     """Dense kernels drawn from a normal instead of a truncated normal (same variance)."""
     wrong = types.SimpleNamespace(**vars(numerics))
-    wrong.kernel_init = lambda in_axis, out_axis: jax.nn.initializers.variance_scaling(
-        1.0, "fan_in", "normal", in_axis=in_axis, out_axis=out_axis
+    wrong.kernel_init = lambda in_axis, out_axis, batch_axis=(): (
+        jax.nn.initializers.variance_scaling(
+            1.0, "fan_in", "normal", in_axis=in_axis, out_axis=out_axis, batch_axis=batch_axis
+        )
     )
     monkeypatch.setattr(nnx_layers, "numerics", wrong)
 
@@ -703,3 +707,55 @@ def test_subset_remainder_rows_mapped_wrongly_are_named(monkeypatch, fresh_nnx, 
     # pipeline's own stages) passed: the bug is in the remainder's rows alone.
     assert all(r["passed"] for r in drill[: drill.index(first)])
     assert not any(r["passed"] is False and r.get("iteration") is not None for r in drill)
+
+
+# ------------------------------------------------------------------ issue 16: MoE layers
+# Bugs of the mixture-of-experts pipeline (mixtral-tiny), each caught at its place.
+
+MIXTRAL_TINY = str(CONFIG_DIR / "mixtral-tiny.yml")
+
+
+def aux_loss_counted_for_bubbles(monkeypatch):
+    """The pipeline adds every stage's load-balancing loss each iteration, idle slots too: the
+    `[S]` select on the schedule's `valid` mask dropped (the stage-input mask stays)."""
+    wrong = types.SimpleNamespace(
+        **{k: getattr(jnp, k) for k in dir(jnp) if not k.startswith("__")}
+    )
+    wrong.where = lambda c, x, y: x if jnp.ndim(c) == 1 else jnp.where(c, x, y)
+    monkeypatch.setattr(nnx_pipeline, "jnp", wrong)
+
+
+def aux_loss_left_out_of_the_loss(monkeypatch):
+    """The NNX train step optimises the cross entropy alone: the load-balancing loss is still
+    computed and reported, but never reaches the loss the optimizer sees."""
+    monkeypatch.setattr(
+        nnx_train,
+        "training_loss",
+        lambda cfg, logits, aux, targets: nnx_decoder.cross_entropy_loss(logits, targets),
+    )
+
+
+MOE_BUGS = [
+    (
+        aux_loss_counted_for_bubbles,
+        "forward,pipeline,bubbles",
+        {"forward": "aux_loss", "pipeline": "nnx/aux_loss"},
+    ),
+    (
+        aux_loss_left_out_of_the_loss,
+        "grads,train",
+        {"grads": "grads/params/", "train": "eval-before/loss"},
+    ),
+]
+
+
+@pytest.mark.parametrize("bug", MOE_BUGS, ids=[b[0].__name__ for b in MOE_BUGS])
+def test_moe_bug_fails_the_gate_at_the_right_place(bug, monkeypatch, fresh_nnx, tmp_path):
+    inject, selected, expected = bug
+    inject(monkeypatch)
+    status, report = run_cli(tmp_path, MIXTRAL_TINY, f"--checks={selected}", "--steps=2")
+    assert status == cli.EXIT_FAIL
+    where = failing(report)
+    assert set(where) == set(expected), where
+    for check, place in expected.items():
+        assert place in where[check], (check, where[check])

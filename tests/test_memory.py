@@ -19,7 +19,7 @@ def traced_parameters(cfg) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(nn.meta.unbox(variables)))
 
 
-@pytest.mark.parametrize("name", [*TINY_CONFIGS, "llama2-tiny-tied"])
+@pytest.mark.parametrize("name", [*TINY_CONFIGS, "llama2-tiny-tied", "mixtral-tiny"])
 def test_parameter_count_is_the_traced_models_in_either_layout(name):
     cfg = tiny(name)
     assert memory.parameter_count(cfg) == traced_parameters(cfg)  # pipeline layout
@@ -28,6 +28,11 @@ def test_parameter_count_is_the_traced_models_in_either_layout(name):
 
 def test_llama2_7b_has_its_published_parameter_count():
     assert memory.parameter_count(load_config(CONFIG_DIR / "llama2-7b.yml")) == 6_738_415_616
+
+
+def test_mixtral_8x7b_has_its_published_parameter_count():
+    """Every expert's wi_0, wi_1, wo and the router counted (Mixtral-8x7B: 46.7B)."""
+    assert memory.parameter_count(load_config(CONFIG_DIR / "mixtral-8x7b.yml")) == 46_702_792_704
 
 
 def test_the_estimate_adds_up_and_the_gate_names_it(monkeypatch):

@@ -56,7 +56,7 @@ def test_every_nnx_mode_builds_runs_and_matches_linen(graph_mode, graph_updates)
         assert names is not None and len(names) == variable.get_value().ndim, (path, names)
 
 
-@pytest.mark.parametrize("name", [*SHIPPED_TINY_CONFIGS, "llama2-7b"])
+@pytest.mark.parametrize("name", [*SHIPPED_TINY_CONFIGS, "llama2-7b", "mixtral-8x7b"])
 @pytest.mark.parametrize("use_pipeline", [None, False], ids=["pipeline", "reference"])
 def test_nnx_logical_names_equal_the_linen_boxes(name, use_pipeline):
     cfg = tiny(name)

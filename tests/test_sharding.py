@@ -52,20 +52,22 @@ def _abstract_params(cfg, use_pipeline=None):
     return jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
 
 
-@pytest.mark.parametrize("name", [*SHIPPED_TINY_CONFIGS, "llama2-7b"])
+@pytest.mark.parametrize("name", [*SHIPPED_TINY_CONFIGS, "llama2-7b", "mixtral-8x7b"])
 @pytest.mark.parametrize("use_pipeline", [None, False], ids=["pipeline", "reference"])
 def test_every_parameter_has_one_logical_name_per_dimension(name, use_pipeline):
     cfg = tiny(name)
     params = _abstract_params(cfg, use_pipeline)
     boxes = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
-    # 9 per layer (per in-stage slot when the L layers of a stage are separate modules; and
-    # the stack after a pipelined subset) + embedding, final norm, and the logits kernel unless
-    # the embedding is the head (tied).
+    # 9 per layer, 10 with experts (router + 3 stacked expert kernels for the MLP's 3) (per
+    # in-stage slot when the L layers of a stage are separate modules; and the stack after a
+    # pipelined subset) + embedding, final norm, and the logits kernel unless the embedding is
+    # the head (tied).
     pipelined = cfg.using_pipeline and use_pipeline is None
     slots = cfg.layers_per_stage if pipelined else 1
     slots = 1 if cfg.scan_layers_per_stage else slots
     slots += int(pipelined and placement.has_layers_after_pipeline(cfg))
-    assert len(boxes) == 9 * slots + (2 if cfg.logits_via_embedding else 3)
+    per_layer = 10 if cfg.num_experts > 1 else 9
+    assert len(boxes) == per_layer * slots + (2 if cfg.logits_via_embedding else 3)
     for box in boxes:
         assert isinstance(box, nn.LogicallyPartitioned)
         assert len(box.names) == box.value.ndim, (box.names, box.value.shape)
@@ -144,8 +146,9 @@ def test_embedding_logits_and_loss_run_on_the_batch_split_over_stages(framework,
 
     cfg = tiny("llama2-tiny")
     mesh = sharding.make_mesh(cfg)
+    # `expert` (size 1 here) splits the batch too, outside MoE blocks (MaxText's layout).
     assert sharding.logical_to_spec(axes.LOGITS_BATCH_LENGTH_VOCAB, cfg.logical_axis_rules) == P(
-        ("data", "fsdp", "stage"), None, "tensor"
+        ("data", "fsdp", "expert", "stage"), None, "tensor"
     )
     if framework == "linen":
         params = twins.linen_initial_variables(cfg, mesh, use_pipeline)["params"]

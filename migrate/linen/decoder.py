@@ -23,7 +23,11 @@ class Decoder(nn.Module):
     pipelined subset (`pipeline_parallel_layers`) the layers after the first P run after the
     pipeline, scanned, as `layers_after_pipeline` (`migrate.placement`). With
     `logits_via_embedding` the token embedding is also the logits head (`Embed.attend`) and no
-    `logits_dense` exists: the table's gradient sums both uses."""
+    `logits_dense` exists: the table's gradient sums both uses.
+
+    Returns `(logits, aux)`: aux the load-balancing losses of the MoE layers (0 without
+    experts), summed over layers; each layer's is a mean over the batch's sequences, so the
+    pipeline (mean over microbatches of their means) and the reference agree."""
 
     config: Config
     mesh: Mesh
@@ -31,7 +35,7 @@ class Decoder(nn.Module):
     bubble_fill: float = 0.0
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg, rules = self.config, self.config.logical_axis_rules
         token_embedder = Embed(cfg, name="token_embedder")
         x = token_embedder(tokens)
@@ -45,16 +49,20 @@ class Decoder(nn.Module):
                 x = nn.with_logical_constraint(
                     x, axes.BATCH_LENGTH_EMBED, rules=rules, mesh=self.mesh
                 )
-            x = Pipeline(cfg, self.mesh, self.bubble_fill, name="pipeline")(x, positions)
+            x, aux = Pipeline(cfg, self.mesh, self.bubble_fill, name="pipeline")(x, positions)
             with jax.named_scope(axes.OUT_OF_PIPELINE):
                 x = nn.with_logical_constraint(
                     x, axes.LOGITS_BATCH_LENGTH_EMBED, rules=rules, mesh=self.mesh
                 )
             if placement.has_layers_after_pipeline(cfg):
-                x = LayersAfterPipeline(cfg, self.mesh, name="layers_after_pipeline")(x, positions)
+                after = LayersAfterPipeline(cfg, self.mesh, name="layers_after_pipeline")
+                x, after_aux = after(x, positions)
+                aux = aux + after_aux
         else:
             layer = remat_layer(cfg)(cfg, self.mesh, name="layers")
-            x = scan_layers(layer, x, positions, cfg.base_num_decoder_layers, axes.REFERENCE_LAYERS)
+            x, aux = scan_layers(
+                layer, x, positions, cfg.base_num_decoder_layers, axes.REFERENCE_LAYERS
+            )
         x = RMSNorm(cfg, name="decoder_norm")(x)
         head = (
             token_embedder.attend
@@ -65,9 +73,10 @@ class Decoder(nn.Module):
         )
         logits = head(x)
         logits = logits.astype(jnp.float32)
-        return nn.with_logical_constraint(
+        logits = nn.with_logical_constraint(
             logits, axes.LOGITS_BATCH_LENGTH_VOCAB, rules=rules, mesh=self.mesh
         )
+        return logits, aux
 
 
 def remat_layer(cfg: Config) -> type[nn.Module]:
@@ -87,7 +96,8 @@ class LayersAfterPipeline(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, trace: bool = False):
-        """`[B, T, E] -> [B, T, E]`; with `trace`, also every layer's output `[N-P, B, T, E]`."""
+        """`[B, T, E] -> ([B, T, E], aux)`; with `trace`, also every layer's output
+        `[N-P, B, T, E]`."""
         cfg = sharding.after_pipeline_config(self.config)
         layer = remat_layer(cfg)(cfg, self.mesh, name="layers")
         count = cfg.num_layers_after_pipeline
@@ -97,6 +107,15 @@ class LayersAfterPipeline(nn.Module):
 def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Token-mean cross entropy: microbatching cannot change its scale."""
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def training_loss(cfg: Config, logits: jax.Array, aux: jax.Array, targets: jax.Array) -> jax.Array:
+    """The loss the optimizer sees: cross entropy, plus `load_balance_loss_weight` x the
+    load-balancing loss `aux` in a model with experts."""
+    loss = cross_entropy_loss(logits, targets)
+    if cfg.num_experts > 1:
+        loss = loss + cfg.load_balance_loss_weight * aux
+    return loss
 
 
 def param_shardings(abstract_variables, mesh: Mesh, cfg: Config):

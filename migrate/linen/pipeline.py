@@ -29,12 +29,13 @@ def scan_layers(
     axis_name: str,
     trace: bool = False,
 ):
-    """Apply `layer` `length` times, its weights stacked on a new leading axis `axis_name`; with
+    """Apply `layer` `length` times, its weights stacked on a new leading axis `axis_name`:
+    `(x, aux)`, aux the layers' load-balancing losses summed (carried through the scan); with
     `trace`, also every application's output, stacked (the drill-down compares them)."""
 
-    def body(module: nn.Module, carry: jax.Array, pos: jax.Array):
-        y = module(carry, pos)
-        return y, (y if trace else None)
+    def body(module: nn.Module, carry, pos: jax.Array):
+        y, aux = module(carry[0], pos)
+        return (y, carry[1] + aux), (y if trace else None)
 
     scanned = nn.scan(
         body,
@@ -44,8 +45,8 @@ def scan_layers(
         length=length,
         metadata_params={nn.PARTITION_NAME: axis_name},
     )
-    x, outputs = scanned(layer, x, positions)
-    return (x, outputs) if trace else x
+    (x, aux), outputs = scanned(layer, (x, jnp.zeros(())), positions)
+    return (x, aux, outputs) if trace else (x, aux)
 
 
 # Activations move one stage right, the last stage's output wrapping around to stage 0: one
@@ -62,14 +63,17 @@ class StageLayers(nn.Module):
     mesh: Mesh
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """`(x, aux)`: aux the L layers' load-balancing losses summed."""
         cfg = self.config
         if cfg.scan_layers_per_stage:
             layer = DecoderLayer(cfg, self.mesh, name="layers")
             return scan_layers(layer, x, positions, cfg.layers_per_stage, axes.LAYERS_PER_STAGE)
+        aux = jnp.zeros(())
         for slot in range(cfg.layers_per_stage):
-            x = DecoderLayer(cfg, self.mesh, name=f"layers_{slot}")(x, positions)
-        return x
+            x, layer_aux = DecoderLayer(cfg, self.mesh, name=f"layers_{slot}")(x, positions)
+            aux = aux + layer_aux
+        return x, aux
 
 
 def stacked_stages(cfg: Config) -> type[nn.Module]:
@@ -110,14 +114,15 @@ class Pipeline(nn.Module):
 
     @nn.compact
     def __call__(self, inputs: jax.Array, positions: jax.Array, trace: bool = False):
-        """`[B, T, E] -> [B, T, E]`; with `trace`, also every iteration's stage outputs
-        `[iterations, S, B/M, T, E]` (the drill-down compares them)."""
+        """`[B, T, E] -> ([B, T, E], aux)`; with `trace`, also every iteration's stage outputs
+        `[iterations, S, B/M, T, E]` (the drill-down compares them). `aux`: the layers'
+        load-balancing losses, summed over layers and averaged over the M microbatches."""
         cfg = self.config
         stages = stacked_stages(cfg)(cfg, self.mesh, name="layers")
         if self.is_initializing():
             # Creates the [R, S, ...] weights; the init output only needs the right shape.
             stages(inputs[: cfg.microbatch_size], positions[: cfg.microbatch_size])
-            return inputs
+            return inputs, jnp.zeros(())
         boxed_weights = self.variables["params"]["layers"]
         weights = nn.meta.unbox(boxed_weights)
         if cfg.pipeline_fsdp_ag_once:
@@ -202,9 +207,10 @@ class Pipeline(nn.Module):
             history = jnp.concatenate([history, drained])
         return loop_state, history
 
-    def run_stages(self, weights, stage_inputs, stage_positions, repeat_ids) -> jax.Array:
+    def run_stages(self, weights, stage_inputs, stage_positions, repeat_ids):
         """Every stage applies its layers (for its current repeat: `repeat_ids` index the
-        leading axis of `weights`, all R repeats or a window of them) to its input, in parallel;
+        leading axis of `weights`, all R repeats or a window of them) to its input, in parallel:
+        (outputs `[S, ...]`, load-balancing losses `[S]`);
         on fsdp x tensor meshes with that repeat's weights gathered over `fsdp` for the visit
         (`sharding.stage_weights_need_gathering`)."""
         cfg = self.config
@@ -253,6 +259,8 @@ class Pipeline(nn.Module):
                 mesh,
                 rules,
             ),
+            # Each stage's load-balancing losses, summed over the slots it worked (stage-local).
+            "aux": sharding.constrain(jnp.zeros(cfg.num_stages), axes.PER_STAGE, mesh, rules),
         }
 
         def iteration(window, first_repeat, state, t):
@@ -264,7 +272,7 @@ class Pipeline(nn.Module):
             stage_inputs = nn.with_logical_constraint(
                 stage_inputs, axes.STAGE_BATCH_LENGTH_EMBED, rules=rules, mesh=mesh
             )
-            stage_outputs = self.run_stages(
+            stage_outputs, stage_aux = self.run_stages(
                 window, stage_inputs, micro_positions[micro_ids], repeat_ids - first_repeat
             )
             # The schedule's one collective per iteration: outputs move one stage right. The
@@ -279,6 +287,14 @@ class Pipeline(nn.Module):
                 "shift": rotated if cfg.forwarding_delay == 1 else state["previous"],
                 "previous": rotated,
                 "store": schedule.store_finished(cfg, state["store"], rotated, t),
+                # Bubbles count nothing: a select, so that NaN there cannot leak (NaN x 0 is NaN).
+                # Pinned to the stages: left to XLA, it gathers the [S] sums over stages.
+                "aux": nn.with_logical_constraint(
+                    state["aux"] + jnp.where(valid, stage_aux, 0.0),
+                    axes.PER_STAGE,
+                    rules=rules,
+                    mesh=mesh,
+                ),
             }
             return new_state, (stage_outputs if trace else None)
 
@@ -299,4 +315,5 @@ class Pipeline(nn.Module):
             )
         # Stage 0's row holds the finished outputs: broadcast to every stage once, after the loop.
         outputs = schedule.merge_microbatches(loop_state["store"][0])
-        return (outputs, history) if trace else outputs
+        aux = jnp.sum(loop_state["aux"]) / num_micro
+        return (outputs, aux, history) if trace else (outputs, aux)

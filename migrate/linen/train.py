@@ -18,19 +18,20 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from migrate.config import Config
-from migrate.linen.decoder import Decoder, cross_entropy_loss
+from migrate.linen.decoder import Decoder, training_loss
 from migrate.linen.decoder import param_shardings as param_shardings_of
 
 
 def make_loss_fn(
     cfg: Config, mesh: Mesh, use_pipeline: bool | None = None, bubble_fill: float = 0.0
 ) -> Callable:
-    """`(params, batch) -> (loss, logits)` for the decoder the arguments describe."""
+    """`(params, batch) -> (loss, (logits, aux))` for the decoder the arguments describe: the
+    loss the optimizer sees (`training_loss`) and the load-balancing loss aux in it."""
     model = Decoder(cfg, mesh, use_pipeline=use_pipeline, bubble_fill=bubble_fill)
 
     def loss_fn(params, batch):
-        logits = model.apply({"params": params}, batch["inputs"])
-        return cross_entropy_loss(logits, batch["targets"]), logits
+        logits, aux = model.apply({"params": params}, batch["inputs"])
+        return training_loss(cfg, logits, aux, batch["targets"]), (logits, aux)
 
     return loss_fn
 
@@ -40,12 +41,21 @@ def make_train_step(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation) -
     loss_fn = make_loss_fn(cfg, mesh)
 
     def train_step(params, opt_state, batch):
-        (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+        (loss, (_, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return params, opt_state, step_metrics(cfg, loss, aux, grads)
 
     return train_step
+
+
+def step_metrics(cfg: Config, loss: jax.Array, aux: jax.Array, grads: Any) -> dict:
+    """The train step's metrics: loss, global gradient norm, and the load-balancing loss in a
+    model with experts."""
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    if cfg.num_experts > 1:
+        metrics["aux_loss"] = aux
+    return metrics
 
 
 def make_eval_step(cfg: Config, mesh: Mesh) -> Callable:

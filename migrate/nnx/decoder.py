@@ -25,7 +25,11 @@ class Decoder(nnx.Module):
     pipelined subset (`pipeline_parallel_layers`) the layers after the first P run after the
     pipeline, scanned, as `layers_after_pipeline` (`migrate.placement`). With
     `logits_via_embedding` the token embedding is also the logits head (`Embed.attend`) and no
-    `logits_dense` exists: the table's gradient sums both uses."""
+    `logits_dense` exists: the table's gradient sums both uses.
+
+    Returns `(logits, aux)`: aux the load-balancing losses of the MoE layers (0 without
+    experts), summed over layers; each layer's is a mean over the batch's sequences, so the
+    pipeline (mean over microbatches of their means) and the reference agree."""
 
     def __init__(
         self,
@@ -57,7 +61,7 @@ class Decoder(nnx.Module):
                 (cfg.base_emb_dim,), (cfg.vocab_size,), axes.LOGITS_KERNEL, cfg, rngs=rngs
             )
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg, rules = self.config, self.config.logical_axis_rules
         x = self.token_embedder(tokens)
         x = sharding.constrain(x, axes.LOGITS_BATCH_LENGTH_EMBED, self.mesh, rules)
@@ -65,18 +69,21 @@ class Decoder(nnx.Module):
         if self.pipelined:
             with jax.named_scope(axes.INTO_PIPELINE):
                 x = sharding.constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)
-            x = self.pipeline(x, positions)
+            x, aux = self.pipeline(x, positions)
             with jax.named_scope(axes.OUT_OF_PIPELINE):
                 x = sharding.constrain(x, axes.LOGITS_BATCH_LENGTH_EMBED, self.mesh, rules)
             if placement.has_layers_after_pipeline(cfg):
-                x = self.layers_after_pipeline(x, positions)
+                after = self.layers_after_pipeline
+                x, after_aux = after(x, positions)
+                aux = aux + after_aux
         else:
-            x = scan_layers(self.layers, x, positions, numerics.remat_policy(cfg))
+            x, aux = scan_layers(self.layers, x, positions, numerics.remat_policy(cfg))
         x = self.decoder_norm(x)
         head = self.token_embedder.attend if cfg.logits_via_embedding else self.logits_dense
         logits = head(x)
         logits = logits.astype(jnp.float32)
-        return sharding.constrain(logits, axes.LOGITS_BATCH_LENGTH_VOCAB, self.mesh, rules)
+        logits = sharding.constrain(logits, axes.LOGITS_BATCH_LENGTH_VOCAB, self.mesh, rules)
+        return logits, aux
 
 
 class LayersAfterPipeline(nnx.Module):
@@ -93,13 +100,23 @@ class LayersAfterPipeline(nnx.Module):
         )
 
     def __call__(self, x: jax.Array, positions: jax.Array, trace: bool = False):
-        """`[B, T, E] -> [B, T, E]`; with `trace`, also every layer's output `[N-P, B, T, E]`."""
+        """`[B, T, E] -> ([B, T, E], aux)`; with `trace`, also every layer's output
+        `[N-P, B, T, E]`."""
         return scan_layers(self.layers, x, positions, numerics.remat_policy(self.config), trace)
 
 
 def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Token-mean cross entropy: microbatching cannot change its scale."""
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def training_loss(cfg: Config, logits: jax.Array, aux: jax.Array, targets: jax.Array) -> jax.Array:
+    """The loss the optimizer sees: cross entropy, plus `load_balance_loss_weight` x the
+    load-balancing loss `aux` in a model with experts."""
+    loss = cross_entropy_loss(logits, targets)
+    if cfg.num_experts > 1:
+        loss = loss + cfg.load_balance_loss_weight * aux
+    return loss
 
 
 def param_shardings(abstract_state: nnx.State, mesh: Mesh, cfg: Config) -> nnx.State:

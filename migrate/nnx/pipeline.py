@@ -46,18 +46,19 @@ def stack_modules(
 def scan_layers(
     layer: nnx.Module, x: jax.Array, positions: jax.Array, policy=None, trace: bool = False
 ):
-    """Apply the stacked `layer` once per slice of its leading weight axis, in order; with
+    """Apply the stacked `layer` once per slice of its leading weight axis, in order:
+    `(x, aux)`, aux the layers' load-balancing losses summed (carried through the scan); with
     `trace`, also every application's output, stacked (the drill-down compares them)."""
     graphdef, state = nnx.split(layer)
 
     def body(carry, layer_state):
-        y = nnx.merge(graphdef, layer_state)(carry, positions)
-        return y, (y if trace else None)
+        y, aux = nnx.merge(graphdef, layer_state)(carry[0], positions)
+        return (y, carry[1] + aux), (y if trace else None)
 
     if policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    x, outputs = jax.lax.scan(body, x, state)
-    return (x, outputs) if trace else x
+    (x, aux), outputs = jax.lax.scan(body, (x, jnp.zeros(())), state)
+    return (x, aux, outputs) if trace else (x, aux)
 
 
 # Activations move one stage right, the last stage's output wrapping around to stage 0: one
@@ -83,13 +84,16 @@ class StageLayers(nnx.Module):
             for slot in range(config.layers_per_stage):
                 setattr(self, f"layers_{slot}", DecoderLayer(config, mesh, rngs=rngs))
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """`(x, aux)`: aux the L layers' load-balancing losses summed."""
         cfg = self.config
         if cfg.scan_layers_per_stage:
             return scan_layers(self.layers, x, positions)
+        aux = jnp.zeros(())
         for slot in range(cfg.layers_per_stage):
-            x = getattr(self, f"layers_{slot}")(x, positions)
-        return x
+            x, layer_aux = getattr(self, f"layers_{slot}")(x, positions)
+            aux = aux + layer_aux
+        return x, aux
 
 
 def stacked_stages(cfg: Config, mesh: Mesh, rngs: nnx.Rngs) -> StageLayers:
@@ -118,8 +122,9 @@ class Pipeline(nnx.Module):
         self.layers = stacked_stages(config, mesh, rngs)
 
     def __call__(self, inputs: jax.Array, positions: jax.Array, trace: bool = False):
-        """`[B, T, E] -> [B, T, E]`; with `trace`, also every iteration's stage outputs
-        `[iterations, S, B/M, T, E]` (the drill-down compares them)."""
+        """`[B, T, E] -> ([B, T, E], aux)`; with `trace`, also every iteration's stage outputs
+        `[iterations, S, B/M, T, E]` (the drill-down compares them). `aux`: the layers'
+        load-balancing losses, summed over layers and averaged over the M microbatches."""
         graphdef, weights = nnx.split(self.layers)
         if self.config.pipeline_fsdp_ag_once:
             weights = self.all_gather_over_fsdp(weights)
@@ -196,7 +201,8 @@ class Pipeline(nnx.Module):
 
     def run_stages(self, graphdef, weights, stage_inputs, stage_positions, repeat_ids):
         """Every stage applies its layers (for its current repeat: `repeat_ids` index the
-        leading axis of `weights`, all R repeats or a window of them) to its input, in parallel;
+        leading axis of `weights`, all R repeats or a window of them) to its input, in parallel:
+        (outputs `[S, ...]`, load-balancing losses `[S]`);
         on fsdp x tensor meshes with that repeat's weights gathered over `fsdp` for the visit
         (`sharding.stage_weights_need_gathering`)."""
         cfg = self.config
@@ -244,6 +250,8 @@ class Pipeline(nnx.Module):
                 mesh,
                 rules,
             ),
+            # Each stage's load-balancing losses, summed over the slots it worked (stage-local).
+            "aux": sharding.constrain(jnp.zeros(cfg.num_stages), axes.PER_STAGE, mesh, rules),
         }
 
         def iteration(window, first_repeat, state, t):
@@ -255,7 +263,7 @@ class Pipeline(nnx.Module):
             stage_inputs = sharding.constrain(
                 stage_inputs, axes.STAGE_BATCH_LENGTH_EMBED, mesh, rules
             )
-            stage_outputs = self.run_stages(
+            stage_outputs, stage_aux = self.run_stages(
                 graphdef,
                 window,
                 stage_inputs,
@@ -271,6 +279,11 @@ class Pipeline(nnx.Module):
                 "shift": rotated if cfg.forwarding_delay == 1 else state["previous"],
                 "previous": rotated,
                 "store": schedule.store_finished(cfg, state["store"], rotated, t),
+                # Bubbles count nothing: a select, so that NaN there cannot leak (NaN x 0 is NaN).
+                # Pinned to the stages: left to XLA, it gathers the [S] sums over stages.
+                "aux": sharding.constrain(
+                    state["aux"] + jnp.where(valid, stage_aux, 0.0), axes.PER_STAGE, mesh, rules
+                ),
             }
             return new_state, (stage_outputs if trace else None)
 
@@ -291,4 +304,5 @@ class Pipeline(nnx.Module):
             )
         # Stage 0's row holds the finished outputs: broadcast to every stage once, after the loop.
         outputs = schedule.merge_microbatches(loop_state["store"][0])
-        return (outputs, history) if trace else outputs
+        aux = jnp.sum(loop_state["aux"]) / num_micro
+        return (outputs, aux, history) if trace else (outputs, aux)

@@ -20,16 +20,18 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from migrate.config import Config
-from migrate.nnx.decoder import cross_entropy_loss
 from migrate.nnx.decoder import param_shardings as param_shardings_of
+from migrate.nnx.decoder import training_loss
 
 
 def make_loss_fn(graphdef: nnx.GraphDef) -> Callable:
-    """`(params, batch) -> (loss, logits)` for the decoder that `graphdef` describes."""
+    """`(params, batch) -> (loss, (logits, aux))` for the decoder that `graphdef` describes:
+    the loss the optimizer sees (`training_loss`) and the load-balancing loss aux in it."""
 
     def loss_fn(params, batch):
-        logits = nnx.merge(graphdef, params)(batch["inputs"])
-        return cross_entropy_loss(logits, batch["targets"]), logits
+        model = nnx.merge(graphdef, params)
+        logits, aux = model(batch["inputs"])
+        return training_loss(model.config, logits, aux, batch["targets"]), (logits, aux)
 
     return loss_fn
 
@@ -39,12 +41,22 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) ->
     loss_fn = make_loss_fn(graphdef)
 
     def train_step(params, opt_state, batch):
-        (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+        (loss, (_, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
+        cfg = nnx.merge(graphdef, params).config  # static: the metrics it names
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return params, opt_state, step_metrics(cfg, loss, aux, grads)
 
     return train_step
+
+
+def step_metrics(cfg: Config, loss: jax.Array, aux: jax.Array, grads: Any) -> dict:
+    """The train step's metrics: loss, global gradient norm, and the load-balancing loss in a
+    model with experts."""
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    if cfg.num_experts > 1:
+        metrics["aux_loss"] = aux
+    return metrics
 
 
 def make_eval_step(graphdef: nnx.GraphDef) -> Callable:

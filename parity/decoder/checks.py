@@ -40,7 +40,12 @@ def pipeline(pair: DecoderPair) -> CheckResult:
         pipelined, reference = pair.pipelined_run(framework), pair.reference_run(framework)
         named |= {f"{framework} pipelined": pipelined, f"{framework} reference": reference}
         records += run_records(
-            f"{framework}/", pipelined, reference, tol, PIPELINE_PARTS, pair.output_name
+            f"{framework}/",
+            pipelined,
+            reference,
+            tol,
+            (*PIPELINE_PARTS, *pair.aux_parts),
+            pair.output_name,
         )
     return verdict("pipeline", records, tol, vacuity(pair, named), rank=pair.rank)
 
@@ -56,7 +61,7 @@ def bubbles(pair: DecoderPair) -> CheckResult:
     for framework in ("linen", "nnx"):
         poisoned = pair.filled_run(framework, BUBBLE_POISON)
         clean = pair.filled_run(framework, 0.0)
-        parts = ("logits", "loss", "grads")
+        parts = ("logits", "loss", *pair.aux_parts, "grads")
         for record in run_records(
             f"{framework}/", poisoned, clean, compare.EXACT, parts, pair.output_name
         ):
@@ -232,9 +237,10 @@ def loop_body_records(
                     "passed": not any(seen.values()),
                 }
             )
-        if cfg.pipeline_fsdp_ag_per_repeat and cfg.ici_fsdp_parallelism > 1:
+        if cfg.pipeline_fsdp_ag_per_repeat and cfg.ici_fsdp_parallelism > 1 and cfg.num_repeats > 2:
             # The window's gather must stay in the repeat loop: hoisted before it, all R
-            # repeats are gathered at once (ag-once's memory).
+            # repeats are gathered at once (ag-once's memory). With R = 2 the two-repeat window
+            # is the whole stack, the same in every block: XLA rightly hoists it (ag-once).
             seen = {fw: c.repeat_fsdp_all_gathers[direction] for fw, c in counts.items()}
             records.append(
                 {

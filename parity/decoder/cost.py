@@ -213,7 +213,7 @@ def _pipeline_efficiency(cfg: Config, mesh: Mesh) -> PipelineEfficiency:
     )
     pipe = linen_pipeline.Pipeline(cfg, mesh)
     pipeline_flops, pipeline_dots = _compiled_flops(
-        lambda w, x, pos: pipe.apply({"params": w}, x, pos), weights, x, positions
+        lambda w, x, pos: pipe.apply({"params": w}, x, pos)[0], weights, x, positions
     )
 
     if placement.has_layers_after_pipeline(cfg):
@@ -231,7 +231,9 @@ def _pipeline_efficiency(cfg: Config, mesh: Mesh) -> PipelineEfficiency:
 
     def stack(stacked_params, x, pos):
         for i in range(cfg.base_num_decoder_layers):
-            x = layer.apply({"params": jax.tree.map(lambda w, i=i: w[i], stacked_params)}, x, pos)
+            x, _ = layer.apply(
+                {"params": jax.tree.map(lambda w, i=i: w[i], stacked_params)}, x, pos
+            )
         return x
 
     reference_flops, reference_dots = _compiled_flops(

@@ -44,11 +44,14 @@ LAYER_ORDER = (
     "self_attention/out",
     "self_attention",
     "post_self_attention_layer_norm",
+    "mlp/gate",
     "mlp/wi_0",
     "mlp/wi_1",
     "mlp/wo",
     "mlp",
+    "mlp/aux_loss",
     "output",
+    "output/aux_loss",
 )
 
 
@@ -79,12 +82,15 @@ def data_flow_rank(tensor: str) -> tuple[int, int]:
 
 def _normalise(path: tuple[str, ...]) -> str:
     """`('self_attention', '__call__', '[0]')` -> `self_attention`; the layer's own output
-    becomes `output`; repeated calls (rotary on query and key) keep their index."""
+    becomes `output`; repeated calls (rotary on query and key) keep their index. A call that
+    returns `(y, aux)` (a MoE block, a layer) gives `name` and `name/aux_loss`."""
     parts = [p.strip("[]") for p in path if p not in ("intermediates",)]
     call = parts.index("__call__")
     name = "/".join(parts[:call]) or "output"
     index = parts[call + 1] if call + 1 < len(parts) else "0"
-    return name if index == "0" else f"{name}/{index}"
+    name = name if index == "0" else f"{name}/{index}"
+    returned = parts[call + 2] if call + 2 < len(parts) else "0"
+    return name if returned == "0" else f"{name}/aux_loss"
 
 
 def _captures(tree: Any) -> dict[str, jax.Array]:
@@ -255,7 +261,7 @@ def stages(
         prefix = f"layer {index}/"
 
         def apply(x):
-            out, captured = layer_fn(layer_params, distributed.replicate(x, mesh), positions)
+            (out, _), captured = layer_fn(layer_params, distributed.replicate(x, mesh), positions)
             return out, {prefix + name: value for name, value in _captures(captured).items()}
 
         where = placement.place(cfg, index).describe() if cfg.using_pipeline else None
@@ -335,7 +341,7 @@ def _after_pipeline(framework: str, cfg: Config, mesh, native: Any, positions) -
     names = {f"layer {p.layer} ({p.describe()})": p for p in rows}
 
     def apply(x):
-        out, outputs = trace(after, distributed.replicate(x, mesh), positions)
+        out, _, outputs = trace(after, distributed.replicate(x, mesh), positions)
         return out, {name: outputs[p.row_after_pipeline] for name, p in names.items()}
 
     return DrillStage(
@@ -363,11 +369,11 @@ def _nnx_after_trace(cfg: Config, mesh, mode):
 @functools.cache
 def _linen_trace(cfg: Config, mesh):
     pipe = linen_pipeline.Pipeline(cfg, mesh)
-    return jax.jit(lambda params, x, pos: pipe.apply({"params": params}, x, pos, trace=True)[1])
+    return jax.jit(lambda params, x, pos: pipe.apply({"params": params}, x, pos, trace=True)[-1])
 
 
 @functools.cache
 def _nnx_trace(cfg: Config, mesh, mode):
     del mode
     graphdef = _nnx_graphdef(lambda rngs: nnx_pipeline.Pipeline(cfg, mesh, rngs=rngs))
-    return jax.jit(lambda params, x, pos: nnx.merge(graphdef, params)(x, pos, trace=True)[1])
+    return jax.jit(lambda params, x, pos: nnx.merge(graphdef, params)(x, pos, trace=True)[-1])

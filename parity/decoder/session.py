@@ -35,7 +35,6 @@ class DecoderPair(Pair):
     """The Linen and NNX decoders of `cfg` on its mesh, held to the twin tolerance (exact)."""
 
     output_name = "logits"
-    forward_parts = ("logits", "loss")
     program_name = "train step"
 
     def __init__(self, cfg: Config, bubble_fill: float = 0.0) -> None:
@@ -63,6 +62,15 @@ class DecoderPair(Pair):
                 self._weights[target, source] = native
 
     # ------------------------------------------------------------ what the engine asks
+
+    @property
+    def forward_parts(self) -> tuple[str, ...]:
+        """Logits and loss; with experts also the load-balancing loss inside the loss."""
+        return ("logits", "loss", *self.aux_parts)
+
+    @property
+    def aux_parts(self) -> tuple[str, ...]:
+        return ("aux_loss",) if self.cfg.num_experts > 1 else ()
 
     def batch(self, step: int = 0, split: str = "train") -> dict:
         return synthetic_batch(self.cfg, self.mesh, step=step, split=split)

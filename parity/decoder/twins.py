@@ -69,12 +69,13 @@ def compute_config(cfg: Config) -> Config:
 
 
 def with_grad_norm(loss_fn: Callable) -> Callable:
-    """`(params, batch) -> ((loss, logits, grad_norm), grads)`: the global gradient norm is
-    computed inside the jitted step from the sharded gradients, as gradient clipping does."""
+    """`(params, batch) -> ((loss, logits, aux, grad_norm), grads)`: the global gradient norm
+    is computed inside the jitted step from the sharded gradients, as gradient clipping does;
+    aux is the load-balancing loss inside `loss`."""
 
     def step(params, batch):
-        (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
-        return (loss, logits, optax.global_norm(grads)), grads
+        (loss, (logits, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+        return (loss, logits, aux, optax.global_norm(grads)), grads
 
     return step
 
@@ -82,7 +83,7 @@ def with_grad_norm(loss_fn: Callable) -> Callable:
 def linen_step(
     cfg: Config, mesh: Mesh, use_pipeline: bool | None = None, bubble_fill: float = 0.0
 ) -> Callable:
-    """Jitted `(params, batch) -> ((loss, logits, grad_norm), grads)` for a Linen decoder
+    """Jitted `(params, batch) -> ((loss, logits, aux, grad_norm), grads)` for a Linen decoder
     (cached)."""
     return _linen_step(compute_config(cfg), mesh, use_pipeline, bubble_fill)
 
@@ -149,9 +150,14 @@ def run_linen(
     bubble_fill: float = 0.0,
 ) -> Run:
     step = linen_step(cfg, mesh, use_pipeline, bubble_fill)
-    (loss, logits, grad_norm), grads = step(variables["params"], batch)
-    loss, logits, grad_norm, grads = distributed.to_host((loss, logits, grad_norm, grads))
-    return Run(loss, logits, {"params": nn.meta.unbox(grads)}, grad_norm)
+    (loss, logits, aux, grad_norm), grads = step(variables["params"], batch)
+    loss, logits, aux, grad_norm, grads = distributed.to_host((loss, logits, aux, grad_norm, grads))
+    return Run(loss, logits, {"params": nn.meta.unbox(grads)}, grad_norm, **aux_loss(cfg, aux))
+
+
+def aux_loss(cfg: Config, aux: Any) -> dict[str, Any]:
+    """A Run's load-balancing loss, its own compared record where the model has experts."""
+    return {"aux_loss": aux} if cfg.num_experts > 1 else {}
 
 
 # ------------------------------------------------------------------ NNX
@@ -187,7 +193,7 @@ def _nnx_step(
 def nnx_step(
     cfg: Config, mesh: Mesh, use_pipeline: bool | None = None, bubble_fill: float = 0.0
 ) -> Callable:
-    """Jitted `(params, batch) -> ((loss, logits, grad_norm), grads)` in the functional form
+    """Jitted `(params, batch) -> ((loss, logits, aux, grad_norm), grads)` in the functional form
     (cached)."""
     return _nnx_step(compute_config(cfg), mesh, use_pipeline, bubble_fill, nnx_mode())
 
@@ -243,10 +249,10 @@ def run_nnx(
     bubble_fill: float = 0.0,
 ) -> Run:
     step = nnx_step(cfg, mesh, use_pipeline, bubble_fill)
-    (loss, logits, grad_norm), grads = step(params, batch)
-    loss, logits, grad_norm = distributed.to_host((loss, logits, grad_norm))
+    (loss, logits, aux, grad_norm), grads = step(params, batch)
+    loss, logits, aux, grad_norm = distributed.to_host((loss, logits, aux, grad_norm))
     grads = distributed.to_host(nn.meta.unbox(convert.nnx_to_linen(grads)))
-    return Run(loss, logits, grads, grad_norm)
+    return Run(loss, logits, grads, grad_norm, **aux_loss(cfg, aux))
 
 
 def clear_nnx_caches() -> None:

@@ -244,10 +244,11 @@ def train(
             f"step {step}/nnx returned", nnx.plain, nnx_t.step, nnx_params, nnx_opt
         )
         resumable = all(r["passed"] for r in step_records)
-        for key in ("loss", "grad_norm"):
-            step_records += tree_records(
-                f"step {step}/{key}", nnx_metrics[key], linen_metrics[key], tol
-            )
+        for key in ("loss", "grad_norm", "aux_loss"):
+            if key in linen_metrics or key in nnx_metrics:
+                step_records += tree_records(
+                    f"step {step}/{key}", nnx_metrics.get(key), linen_metrics.get(key), tol
+                )
         step_records += tree_records(
             f"step {step}/params", nnx.plain(nnx_params), linen.plain(linen_params), tol
         )

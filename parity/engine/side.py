@@ -53,7 +53,8 @@ class Run:
     `grads` is keyed like the common form's parameters (unboxed); `grad_norm` the global norm
     computed on device from the (sharded) gradients, as gradient clipping computes it; `state`
     the non-parameter collections the call updated (batch statistics, caches); `sown` the
-    intermediates the module sowed, by name."""
+    intermediates the module sowed, by name; `aux_loss` an auxiliary loss inside `loss` (the
+    decoder's MoE load-balancing loss), compared as its own record."""
 
     loss: Any
     outputs: Any
@@ -61,6 +62,7 @@ class Run:
     grad_norm: Any = None
     state: Any = None
     sown: Any = None
+    aux_loss: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
