@@ -275,7 +275,8 @@ def _after_pipeline_flops(cfg: Config, mesh: Mesh, variables: Any) -> tuple[floa
 
     def after(stacked_params, x, pos):
         for k in range(cfg.num_layers_after_pipeline):
-            x = layer.apply({"params": jax.tree.map(lambda w, k=k: w[k], stacked_params)}, x, pos)
+            params = {"params": jax.tree.map(lambda w, k=k: w[k], stacked_params)}
+            x, _ = layer.apply(params, x, pos)  # (x, the layer's load-balancing loss)
         return x
 
     return _compiled_flops(after, weights, x, positions)
