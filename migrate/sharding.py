@@ -166,14 +166,22 @@ def after_pipeline_config(cfg: Config) -> Config:
     """`cfg` as the layers after a pipelined subset see it: `activation_batch` resolves to the
     mesh axes of `activation_embed_and_logits_batch`, so that those layers run on the batch the
     pipeline hands out (split over stages too, like the embedding and the logits) instead of
-    gathering it over stages and computing the same rows on every stage."""
+    gathering it over stages and computing the same rows on every stage; inside an MoE block
+    (`activation_batch_no_exp`) the tokens stay split over stages too."""
     rules = cfg.logical_axis_rules
     logits_batch = [target for name, target in rules if name == "activation_embed_and_logits_batch"]
     if not logits_batch:
         return cfg
-    remapped = tuple(
-        (name, logits_batch[0] if name == "activation_batch" else target) for name, target in rules
-    )
+
+    def split_over_stages_too(name: str, target):
+        if name == "activation_batch":
+            return logits_batch[0]
+        if name == axes.BATCH_NO_EXP_LENGTH_EMBED[0]:  # an MoE block's tokens: over stages as well
+            found = () if target is None else target if isinstance(target, tuple) else (target,)
+            return found if "stage" in found else (*found, "stage")
+        return target
+
+    remapped = tuple((name, split_over_stages_too(name, target)) for name, target in rules)
     return cfg.replace(logical_axis_rules=remapped)
 
 
