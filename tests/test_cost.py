@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from migrate import config, memory, sharding
 from parity import cli, hlo
 from parity.decoder import checks as decoder_checks
-from parity.decoder import cost
+from parity.decoder import cost, efficiency
 from parity.decoder.session import DecoderPair
 
 
@@ -105,7 +105,7 @@ def test_efficiency_catches_matmul_work_replicated_over_the_tensor_axis():
         (name, None if target == "tensor" else target) for name, target in cfg.logical_axis_rules
     )
     replicated = cfg.replace(logical_axis_rules=rules)
-    measured = cost.pipeline_efficiency(replicated, sharding.make_mesh(replicated))
+    measured = efficiency.pipeline_efficiency(replicated, sharding.make_mesh(replicated))
     assert measured.measured_overhead == 2 * measured.theoretical_overhead
     assert measured.relative_error > decoder_checks.EFFICIENCY_TOLERANCE
 

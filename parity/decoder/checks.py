@@ -16,6 +16,7 @@ from collections.abc import Callable
 from migrate.config import Config
 from parity import compare, hlo
 from parity.decoder import cost, slices
+from parity.decoder import efficiency as pipeline_work
 from parity.decoder.session import BUBBLE_POISON, DecoderPair
 from parity.engine import checks as engine_checks
 from parity.engine import programs
@@ -332,7 +333,7 @@ def efficiency(pair: DecoderPair) -> CheckResult:
         return skipped(
             "efficiency", "overhead_error", EFFICIENCY_TOLERANCE, "config does not pipeline (S=1)"
         )
-    measured = cost.pipeline_efficiency(cfg, pair.mesh)
+    measured = pipeline_work.pipeline_efficiency(cfg, pair.mesh)
     record = {
         "tensor": "pipeline matmul overhead",
         "measured": measured.measured_overhead,
