@@ -8,11 +8,13 @@ from pathlib import Path
 
 _flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
 os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
-# No persistent XLA compilation cache in the session nor in the CLI subprocesses it starts:
-# with one (every program cached), reading the tied config's compile-check executable back
-# crashed the process inside JAX (segfault or abort, both stacks) once the whole shipped
-# config matrix had run in it; a crash would hide every later test's verdict.
-os.environ["JAX_COMPILATION_CACHE_DIR"] = ""
+# One persistent XLA compilation cache for the session and the CLI subprocesses it starts:
+# the same programs (the twins in every NNX mode, the CLI's runs) compile once.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    str(Path(__file__).resolve().parent.parent / ".jax_cache"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pytest  # noqa: E402
 

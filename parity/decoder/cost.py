@@ -7,6 +7,7 @@ collectives of the compiled pipeline loops. The pipeline's work is `parity.decod
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -110,9 +111,25 @@ def compile_train_step(cfg: Config, mesh: Mesh, framework: str) -> CompiledCost:
     same jitted step the `train` check runs, with its pinned shardings."""
     params, opt_state = abstract_train_state(cfg, mesh, framework)
     step, _ = (twins.linen_train_fns if framework == "linen" else twins.nnx_train_fns)(cfg, mesh)
-    start = time.perf_counter()
-    compiled = step.lower(params, opt_state, abstract_batch(cfg, mesh)).compile()
-    return CompiledCost.of(compiled, time.perf_counter() - start)
+    lowered = step.lower(params, opt_state, abstract_batch(cfg, mesh))
+    with _without_persistent_cache():
+        start = time.perf_counter()
+        compiled = lowered.compile()
+        seconds = time.perf_counter() - start
+    return CompiledCost.of(compiled, seconds)
+
+
+@contextlib.contextmanager
+def _without_persistent_cache():
+    """Compile for real: the compile time is then the compiler's, not a cache read's; and in
+    one process that had run every shipped tiny config's checks, reading this step's executable
+    back from the persistent cache segfaulted inside JAX (both stacks, reproducibly)."""
+    previous = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", previous)
 
 
 # ------------------------------------------------------------------ loop-body collectives
