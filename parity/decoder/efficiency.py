@@ -97,21 +97,12 @@ def _pipeline_efficiency(cfg: Config, mesh: Mesh) -> PipelineEfficiency:
         scan_layers_per_stage=False,
         set_remat_policy_on_pipeline_iterations=False,
     )
-    rules = cfg.logical_axis_rules
     variables = twins.linen_abstract_variables(cfg, mesh)
     weights = with_shardings(  # boxed: `pipeline_fsdp_ag_once` reads the logical names
         linen_decoder.param_shardings(variables, mesh, cfg)["params"]["pipeline"],
         variables["params"]["pipeline"],
     )
-    shape = (cfg.global_batch_size, cfg.max_target_length, cfg.base_emb_dim)
-    x = jax.ShapeDtypeStruct(
-        shape,
-        jnp.dtype(cfg.dtype),
-        sharding=sharding.named_sharding(axes.BATCH_LENGTH_EMBED, mesh, rules),
-    )
-    positions = jax.ShapeDtypeStruct(
-        shape[:2], jnp.int32, sharding=sharding.batch_sharding(cfg, mesh)
-    )
+    x, positions = _abstract_activations(cfg, mesh, axes.BATCH_LENGTH_EMBED)
     pipe = linen_pipeline.Pipeline(cfg, mesh)
     pipeline_flops, pipeline_dots = _compiled_flops(
         lambda w, x, pos: pipe.apply({"params": w}, x, pos)[0], weights, x, positions
@@ -160,18 +151,7 @@ def _after_pipeline_flops(cfg: Config, mesh: Mesh, variables: Any) -> tuple[floa
     shardings = linen_decoder.param_shardings(variables, mesh, cfg)["params"]
     weights = with_shardings(shardings[axes.LAYERS_AFTER_PIPELINE]["layers"], stacked)
     weights = nn.meta.unbox(weights)
-    rules = cfg.logical_axis_rules
-    shape = (cfg.global_batch_size, cfg.max_target_length, cfg.base_emb_dim)
-    x = jax.ShapeDtypeStruct(
-        shape,
-        jnp.dtype(cfg.dtype),
-        sharding=sharding.named_sharding(axes.LOGITS_BATCH_LENGTH_EMBED, mesh, rules),
-    )
-    positions = jax.ShapeDtypeStruct(
-        shape[:2],
-        jnp.int32,
-        sharding=sharding.named_sharding(axes.LOGITS_BATCH_LENGTH_EMBED[:2], mesh, rules),
-    )
+    x, positions = _abstract_activations(cfg, mesh, axes.LOGITS_BATCH_LENGTH_EMBED)
     layer = linen_layers.DecoderLayer(after_cfg, mesh)
 
     def after(stacked_params, x, pos):
@@ -181,3 +161,17 @@ def _after_pipeline_flops(cfg: Config, mesh: Mesh, variables: Any) -> tuple[floa
         return x
 
     return _compiled_flops(after, weights, x, positions)
+
+
+def _abstract_activations(cfg: Config, mesh: Mesh, names: tuple[str, ...]):
+    """The full batch's activations `[B, T, E]` and positions `[B, T]`, abstract, sharded as the
+    logical `names` (batch, length, embed) say."""
+    rules = cfg.logical_axis_rules
+    shape = (cfg.global_batch_size, cfg.max_target_length, cfg.base_emb_dim)
+    x = jax.ShapeDtypeStruct(
+        shape, jnp.dtype(cfg.dtype), sharding=sharding.named_sharding(names, mesh, rules)
+    )
+    positions = jax.ShapeDtypeStruct(
+        shape[:2], jnp.int32, sharding=sharding.named_sharding(names[:2], mesh, rules)
+    )
+    return x, positions
