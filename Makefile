@@ -12,6 +12,8 @@ CONSTRAINTS := constraints/py$(subst .,,$(PYVER)).txt
 PY := $(VENV)/bin/python
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 PYTEST_ARGS ?=
+# pytest-xdist workers: one per core, at most 4 (each holds its own compiled programs, ~4 GiB).
+PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 CONFIG ?= configs/llama2-tiny.yml
 
 .PHONY: install test parity lint clean
@@ -25,7 +27,7 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 install: $(VENV)/.installed
 
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist=worksteal $(PYTEST_ARGS)
 
 PARITY_ARGS ?= --checks=all
 

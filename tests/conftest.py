@@ -9,13 +9,18 @@ from pathlib import Path
 
 _flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
 os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
-# One persistent XLA compilation cache for the session and the CLI subprocesses it starts:
-# the same programs (the twins in every NNX mode, the CLI's runs) compile once.
+# One persistent XLA compilation cache for the session (every xdist worker) and the CLI
+# subprocesses it starts: the same programs (the twins in every NNX mode, the CLI's runs)
+# compile once.
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR",
     str(Path(__file__).resolve().parent.parent / ".jax_cache"),
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# A size limit turns on JAX's file lock around every cache read and write: the pytest-xdist
+# workers and the CLI subprocesses share the cache, and an unlocked reader can see a half-written
+# entry. (The whole suite's cache is about 50 MB.)
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 * 2**30))
 
 import pytest  # noqa: E402
 

@@ -99,7 +99,8 @@ def test_loop_and_remat_variants_equal_the_reference(overrides):
 @pytest.mark.parametrize(
     "overrides",
     [
-        ("scan_pipeline_iterations=false",),  # unrolled blocks
+        # unrolled blocks; M = 4 keeps the window moving (3 blocks) in 15 iterations, not 27
+        ("scan_pipeline_iterations=false", "num_pipeline_microbatches=4"),
         ("pipeline_delay_activation_forwarding=true",),  # d = 2: stages lag 2s iterations
     ],
     ids=["unrolled", "delay"],
