@@ -7,14 +7,20 @@
 
 On failure the AssertionError's message is `parity.pairs.format_report`: one line per check,
 then every failing record (tensor path, both sides, the error against its tolerance).
+
+A long session gating many pairs: call `free_compiled_programs_near_map_limit()` after each
+test (an autouse fixture), or XLA:CPU segfaults once the process maps too many regions.
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
+import jax
 from flax import nnx
 
 from parity.engine.result import CheckResult
@@ -40,3 +46,33 @@ def assert_parity(
     title = f"{type(linen_module).__name__} (Linen) vs {type(nnx_module).__name__} (NNX)"
     assert_passed(results, title)
     return results
+
+
+_MAPS = Path("/proc/self/maps")
+_MAX_MAP_COUNT = Path("/proc/sys/vm/max_map_count")
+
+
+def mapped_regions() -> int:
+    """How many memory regions this process maps (0 where /proc does not say)."""
+    if not _MAPS.exists():
+        return 0
+    with _MAPS.open() as maps:
+        return sum(1 for _ in maps)
+
+
+def free_compiled_programs_near_map_limit(fraction: float = 0.5) -> bool:
+    """Drop JAX's in-memory caches once this process maps more than `fraction` of Linux's
+    `vm.max_map_count` regions; True when it did.
+
+    Every XLA:CPU executable maps its JIT code and data as separate regions (tens to thousands
+    per program) and keeps them while it is cached. A process compiling many programs (this
+    project's 645 tests: ~6,000 regions per shipped config's checks) crosses the default limit
+    of 65,530, an mmap fails inside XLA, and the process segfaults. Cleared executables are
+    freed once nothing else holds them; a later call recompiles them (a hit in the persistent
+    compilation cache, where one is set)."""
+    limit = int(_MAX_MAP_COUNT.read_text()) if _MAX_MAP_COUNT.exists() else 0
+    if not limit or mapped_regions() <= fraction * limit:
+        return False
+    jax.clear_caches()
+    gc.collect()
+    return True

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import re
 from pathlib import Path
@@ -25,6 +24,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 * 2**30))
 import pytest  # noqa: E402
 
 from migrate.config import Config, load_config  # noqa: E402
+from parity import testing  # noqa: E402
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 # The float32 pipeline variants the unit tests run on this session's 8 devices.
@@ -49,27 +49,12 @@ def config_dir() -> Path:
     return CONFIG_DIR
 
 
-_MAPS = Path("/proc/self/maps")
-_MAX_MAP_COUNT = Path("/proc/sys/vm/max_map_count")
-
-
-def mapped_regions() -> int:
-    """How many memory regions this process maps (0 where /proc does not say)."""
-    return sum(1 for _ in _MAPS.open()) if _MAPS.exists() else 0
-
-
 @pytest.fixture(autouse=True)
 def _compiled_programs_within_the_map_limit():
-    """Every XLA:CPU executable maps its JIT code and data as separate regions (tens to
-    thousands per program), and Linux refuses an mmap past `vm.max_map_count` (65530 by
-    default): the whole suite in one process crossed it after ~11 configs of the matrix, and
-    XLA then segfaults. Past half the limit, drop JAX's in-memory caches so the executables no
-    longer used are freed; the persistent cache makes recompiling them cheap."""
+    """The whole suite in one process crossed `vm.max_map_count` after ~11 configs of the
+    matrix and XLA segfaulted (`parity.testing.free_compiled_programs_near_map_limit`)."""
     yield
-    limit = int(_MAX_MAP_COUNT.read_text()) if _MAX_MAP_COUNT.exists() else 0
-    if limit and mapped_regions() > limit // 2:
-        jax.clear_caches()
-        gc.collect()
+    testing.free_compiled_programs_near_map_limit()
 
 
 import jax  # noqa: E402  (after XLA_FLAGS: the session has exactly 8 simulated devices)

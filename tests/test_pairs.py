@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from parity import compare, pairs
+from parity import compare, pairs, testing
 from parity.engine.result import CheckResult
 from parity.pairs import compare_modules, format_report
 from parity.testing import assert_parity
@@ -325,3 +325,14 @@ def test_parity_exports_compare_modules_lazily():
     if "compare_modules" not in getattr(parity, "__all__", ()):
         pytest.skip("parity/__init__.py does not re-export compare_modules yet")
     assert parity.compare_modules is compare_modules
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")
+def test_compiled_programs_are_freed_only_past_the_map_limit_fraction():
+    square = jax.jit(lambda x: x * x)
+    square(X)
+    assert square._cache_size() == 1 and testing.mapped_regions() > 0
+    assert not testing.free_compiled_programs_near_map_limit(fraction=1.0)  # far below
+    assert square._cache_size() == 1
+    assert testing.free_compiled_programs_near_map_limit(fraction=0.0)  # any region is past it
+    assert square._cache_size() == 0
