@@ -66,7 +66,7 @@ def free_compiled_programs_near_map_limit(fraction: float = 0.5) -> bool:
 
     Every XLA:CPU executable maps its JIT code and data as separate regions (tens to thousands
     per program) and keeps them while it is cached. A process compiling many programs (this
-    project's 645 tests: ~6,000 regions per shipped config's checks) crosses the default limit
+    project's suite: ~6,000 regions per shipped config's checks) crosses the default limit
     of 65,530, an mmap fails inside XLA, and the process segfaults. Cleared executables are
     freed once nothing else holds them; a later call recompiles them (a hit in the persistent
     compilation cache, where one is set)."""
