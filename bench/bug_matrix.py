@@ -143,7 +143,7 @@ def _run_cli(workdir: Path, *args: str) -> dict:
 def worker(name: str, bug_names: list[str], seeds: list[int], out: Path) -> None:
     import pytest
 
-    from migrate.config import load_config
+    from migrate.config.loading import load_config
     from parity.decoder import twins
 
     injectors = _import_injectors()
@@ -305,7 +305,7 @@ def main() -> None:
         print(tables(json.loads(args.tables.read_text())))
         return
 
-    from migrate.config import load_config  # no JAX
+    from migrate.config.loading import load_config  # no JAX
 
     results = []
     fresh_cache = tempfile.TemporaryDirectory(prefix="bug_matrix_xla_")

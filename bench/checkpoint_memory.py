@@ -73,7 +73,7 @@ def footprint(spec, mesh) -> int:
     import jax
     import numpy as np
 
-    from migrate import train_state
+    from migrate.checkpoints import train_state
 
     template = train_state.abstract_state(spec, mesh)
     leaves = jax.tree.leaves(train_state.to_pure((template.params, template.opt_state)))
@@ -84,7 +84,7 @@ def footprint(spec, mesh) -> int:
 
 
 def config(overrides: Sequence[str]):
-    from migrate.config import load_config
+    from migrate.config.loading import load_config
 
     return load_config(CONFIG, overrides)
 
@@ -95,7 +95,8 @@ def write_source(path: str, overrides: Sequence[str]) -> dict[str, Any]:
     import jax
     import numpy as np
 
-    from migrate import checkpoint_io, sharding, train_state
+    from migrate.checkpoints import checkpoint_io, train_state
+    from migrate.common import sharding
 
     cfg = config(overrides)
     spec = train_state.Spec("linen", "pipeline", cfg)
@@ -125,7 +126,10 @@ def measure(
     """Child: one row's operation, with the peak RSS growth it causes."""
     import jax
 
-    from migrate import checkpoint, checkpoint_io, cli, sharding, train_state
+    from migrate import cli
+    from migrate.checkpoints import checkpoint_io, train_state
+    from migrate.checkpoints import commands as checkpoint
+    from migrate.common import sharding
 
     if allocator == "cli":
         cli.return_freed_memory()  # what the `migrate` command does first

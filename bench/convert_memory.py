@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from migrate import convert  # noqa: E402
+from migrate.checkpoints import convert  # noqa: E402
 
 MiB = 2**20
 NAMES = ("embed", "mlp")

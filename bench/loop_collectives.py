@@ -20,9 +20,9 @@ os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".s
 import argparse  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from migrate import sharding  # noqa: E402
-from migrate.config import load_config  # noqa: E402
-from parity import hlo  # noqa: E402
+from migrate.common import sharding  # noqa: E402
+from migrate.config.loading import load_config  # noqa: E402
+from parity.analysis import hlo  # noqa: E402
 from parity.decoder import cost  # noqa: E402
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"

@@ -1,7 +1,7 @@
 """Measured worst errors per shipped tiny config, per check: pipeline vs reference per part
 (logits, loss, grads, grad_norm; worst of Linen and NNX, over seeds), Linen vs NNX for every
 twin check, and the efficiency check's matmul-overhead error. The tolerance tiers in
-`parity/compare.py` are calibrated from this table (docs/configs.md).
+`parity/analysis/compare.py` are calibrated from this table (docs/configs.md).
 
     PYTHONPATH=. python bench/parity_errors.py [--seeds 0 1 2] [--configs NAME ...]
         [--variant 'llama2-tiny matmul_precision=default' ...]
@@ -22,8 +22,8 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 
-from migrate.config import load_config  # noqa: E402
-from parity import compare  # noqa: E402
+from migrate.config.loading import load_config  # noqa: E402
+from parity.analysis import compare  # noqa: E402
 from parity.decoder import checks as decoder_checks  # noqa: E402
 from parity.decoder.session import DecoderPair  # noqa: E402
 

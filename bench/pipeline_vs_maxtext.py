@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from parity import hlo  # noqa: E402
+from parity.analysis import hlo  # noqa: E402
 
 SHAPE_FLAGS = ("stages", "microbatches", "emb", "vocab", "seq", "per_device_batch")
 SIDES = ("maxtext", "nnx", "linen")

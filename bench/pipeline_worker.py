@@ -45,8 +45,8 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 from serve import compile_and_report, serve, timed_compile  # noqa: E402
 
-from migrate import sharding  # noqa: E402
-from migrate.config import load_config  # noqa: E402
+from migrate.common import sharding  # noqa: E402
+from migrate.config.loading import load_config  # noqa: E402
 from migrate.linen import decoder as linen_decoder  # noqa: E402
 from migrate.linen import pipeline as linen_pipeline  # noqa: E402
 from migrate.nnx import decoder as nnx_decoder  # noqa: E402

@@ -27,8 +27,8 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from migrate import sharding  # noqa: E402
-from migrate.config import load_config  # noqa: E402
+from migrate.common import sharding  # noqa: E402
+from migrate.config.loading import load_config  # noqa: E402
 from migrate.nnx import decoder as nnx_decoder  # noqa: E402
 from parity.decoder import cost, twins  # noqa: E402
 from parity.decoder.session import DecoderPair  # noqa: E402

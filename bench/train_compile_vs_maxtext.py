@@ -72,8 +72,8 @@ def maxtext_overrides(cfg) -> list[str]:
 def our_worker(config: str, framework: str, out: str) -> None:
     """Compile one twin's train step (in this fresh process) and write its cost as JSON."""
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
-    from migrate import config as config_lib
-    from migrate import sharding
+    from migrate.common import sharding
+    from migrate.config import loading as config_lib
     from parity.decoder import cost
 
     cfg = config_lib.load_config(config)
@@ -110,7 +110,7 @@ def run_side(side: str, args, cfg, scratch: Path, maxtext_python: str) -> dict:
         raise SystemExit(f"{side} failed (exit {code}); its output: {log}")
     result = json.loads(Path(out).read_text())
     if side.startswith("maxtext"):
-        from parity import hlo
+        from parity.analysis import hlo
 
         result["collectives"] = hlo.collective_counts(Path(out + ".hlo").read_text())
     return result
@@ -129,8 +129,8 @@ def main() -> None:
         our_worker(args.config, args.worker, args.out)
         return
 
-    from migrate import config as config_lib
-    from parity import hlo
+    from migrate.config import loading as config_lib
+    from parity.analysis import hlo
 
     cfg = config_lib.load_config(args.config)
     venv = Path(args.maxtext_venv or ROOT / "bench/.venv-maxtext")

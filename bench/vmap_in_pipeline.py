@@ -33,8 +33,9 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from migrate import sharding  # noqa: E402
-from migrate.config import Config, load_config  # noqa: E402
+from migrate.common import sharding  # noqa: E402
+from migrate.config.contract import Config  # noqa: E402
+from migrate.config.loading import load_config  # noqa: E402
 from migrate.nnx import decoder as nnx_decoder  # noqa: E402
 from migrate.nnx.pipeline import Pipeline  # noqa: E402
 from parity.decoder.data import synthetic_batch  # noqa: E402

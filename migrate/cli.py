@@ -13,7 +13,7 @@ scan_layers_per_stage) re-stage the destination; the source keeps the layout it 
 status (`migrate.errors`): 0 written, 1 verification failed (nothing written), 2 usage, config,
 checkpoint, path or resource error (a message, no traceback; the destination untouched), 4 an
 internal error, 128+N stopped by signal N (the staging directory removed). `--force` replaces
-only a checkpoint this tool wrote (`migrate.destination`).
+only a checkpoint this tool wrote (`migrate.checkpoints.destination`).
 
 Flags live in their own `FlagValues`, so this module and `parity.cli` share a process freely.
 JAX is imported only after the config is read, once the simulated device count is known.
@@ -34,11 +34,14 @@ from typing import Any
 
 from absl import flags, logging
 
-from migrate import cli_support, destination, errors, memory
-from migrate.config import Config, ConfigError, load_config, parse_overrides, with_changes
-from migrate.devices import ensure_simulated_devices
+from migrate import errors
+from migrate.checkpoints import destination
+from migrate.checkpoints.meta import read_meta
+from migrate.config.contract import Config, ConfigError
+from migrate.config.loading import load_config, parse_overrides, with_changes
 from migrate.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_USAGE, BadInput
-from migrate.meta import read_meta
+from migrate.runtime import cli_help, cli_support, memory
+from migrate.runtime.devices import ensure_simulated_devices
 
 COMMANDS = ("convert", "init")
 FRAMEWORKS = ("linen", "nnx")
@@ -219,9 +222,10 @@ def _run(argv: Sequence[str]) -> int:
         memory.check_fits(needed, what=f"{command} {paths[-1]}")
     ensure_simulated_devices(target_cfg.num_devices)
 
-    from migrate import checkpoint, train_state
-    from migrate.convert import ConversionError
-    from migrate.layout import LayoutError
+    from migrate.checkpoints import commands as checkpoint
+    from migrate.checkpoints import train_state
+    from migrate.checkpoints.convert import ConversionError
+    from migrate.common.layout import LayoutError
 
     try:
         if command == "init":
@@ -258,11 +262,40 @@ def _run(argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
+COMMAND_HELP = (
+    (
+        "convert",
+        "a checkpoint of one twin and layout into another (optimizer state and step "
+        "included), leaf by leaf; --verify restores both and compares bit for bit, "
+        "--verify_forward runs `parity --checks=forward` on the result",
+    ),
+    ("init", "a fresh checkpoint of either twin's own initialisation, in either layout"),
+)
+EXIT_STATUSES = (
+    ("0", "the checkpoint was written"),
+    ("1", "a verification (--verify, --verify_forward) failed; nothing was written"),
+    (
+        "2",
+        "bad input: usage, config, checkpoint (missing, corrupt, edited meta, another "
+        "model), destination, full disk; the destination untouched",
+    ),
+    ("4", "an internal error (--verbose: the traceback)"),
+    ("128+N", "stopped by signal N (130 SIGINT, 143 SIGTERM); the staging directory removed"),
+)
+
+
+def help_text() -> str:
+    """`migrate --help`: usage, the commands, every flag with its default, exit statuses."""
+    title = __doc__.split("\n\n")[0]
+    return cli_help.help_text(
+        title, USAGE, [("commands", COMMAND_HELP)], FLAGS, list(FLAGS), EXIT_STATUSES
+    )
+
+
 def _parse_flags(argv: list[str]) -> list[str] | int:
     """Flags into `FLAGS`; a bad flag is a usage error (one line, exit 2)."""
-    if any(a in ("-h", "--help", "-help", "--helpfull") for a in argv[1:]):
-        title = __doc__.split("\n\n")[0]
-        print(f"{title}\n\n{USAGE}\n\nflags:\n{FLAGS.get_help(include_special_flags=False)}")
+    if cli_help.wants_help(argv) or "--helpfull" in argv[1:]:
+        print(help_text())
         return EXIT_OK
     try:
         return FLAGS(argv)

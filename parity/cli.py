@@ -3,7 +3,7 @@
     parity CONFIG [key=value ...] [--checks=a,b] [--steps=N] [--json=PATH] [--junit=PATH]
                   [--plot=PATH] [--golden=DIR] [--update_golden] [--nomemory_check] [--verbose]
                   [--num_processes=N [--timeout_s=S] | --coordinator_address=H:P --process_id=I]
-                  [--init_timeout_s=S] [--dry_run]
+                  [--init_timeout_s=S] [--checkpoint=DIR] [--compilation_cache_dir=DIR] [--dry_run]
 
 Exit status (`migrate.errors`; the largest applies): 0 every check passed; 1 a check failed; 2
 bad input (usage, config, an output path, too little memory; a message, no traceback), also
@@ -28,39 +28,27 @@ from typing import Any
 
 from absl import app, flags, logging
 
-from migrate import cli_support, errors, memory, meta
-from migrate.bounds import MAX_UNROLLED_LAYERS
-from migrate.config import Config, load_config, parse_overrides
-from migrate.devices import ensure_simulated_devices
+from migrate import errors
+from migrate.checkpoints import meta
+from migrate.config.bounds import MAX_UNROLLED_LAYERS
+from migrate.config.contract import Config
+from migrate.config.loading import load_config, parse_overrides
 from migrate.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_USAGE, BadInput
-from parity.outputs import Outputs  # no JAX
+from migrate.runtime import cli_help, cli_support, memory
+from migrate.runtime.devices import ensure_simulated_devices
+from parity.decoder.catalog import ABSTRACT_CHECKS, CHECK_NAMES, CHECKS, ON_REQUEST  # no JAX
+from parity.reports.outputs import Outputs  # no JAX
+from parity.reports.progress import StepProgress, progress
 
-CHECK_NAMES = (
-    "roundtrip",
-    "init",
-    "forward",
-    "grads",
-    "sharding",
-    "program",
-    "pipeline",
-    "bubbles",
-    "train",
-    "layers",
-    "compile",
-    "efficiency",
-)
-# Run only when asked (or, for layers, by itself when forward or grads fails). `compile` is the
-# one check that never allocates weights: `--checks=compile` works for the 7B config.
-ON_REQUEST = ("layers", "compile", "efficiency")
-ABSTRACT_CHECKS = ("compile", "efficiency")  # compile from shapes: no weights allocated
 MAX_LOCAL_PROCESSES = 32
 
 FLAGS = flags.FLAGS
+_ABSL_FLAGS = set(FLAGS)  # absl's own (--helpfull lists them): not this command's
 flags.DEFINE_list(
     "checks",
     None,
-    f"Checks to run, or 'all' (default: all but {', '.join(ON_REQUEST)}, which runs by "
-    f"itself when forward or grads fails). Known: {', '.join(CHECK_NAMES)}.",
+    f"Checks to run, comma-separated, or 'all'. (default: every check but "
+    f"{', '.join(ON_REQUEST)}; layers runs by itself when forward or grads fails)",
 )
 flags.DEFINE_integer("steps", 5, "Optimizer steps of the train check.", lower_bound=0)
 flags.DEFINE_string("json", None, "Write the JSON report here.")
@@ -131,6 +119,7 @@ flags.DEFINE_boolean(
     "Validate the config, flags, output paths and memory estimate, print the plan, and exit 0 "
     "without starting JAX or running a check.",
 )
+OWN_FLAGS = tuple(sorted(set(FLAGS) - _ABSL_FLAGS))
 # The flags a launcher hands on to its workers (when given on its command line).
 WORKER_FLAGS = (
     "checks",
@@ -152,32 +141,6 @@ __all__ = ["EXIT_FAIL", "EXIT_INTERNAL", "EXIT_PASS", "EXIT_USAGE", "EXIT_WORKER
 
 def usage_error(message: str) -> int:
     return cli_support.error_line("parity", message)
-
-
-def progress(message: str) -> None:
-    print(f"[parity] {message}", file=sys.stderr, flush=True)
-
-
-class StepProgress:
-    """`on_step` of the train check: prints the first steps, then at most every `every_s`
-    seconds, the last step, and every diverged step."""
-
-    def __init__(
-        self,
-        steps: int,
-        first: int = 3,
-        every_s: float = 10.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.steps, self.first, self.every_s, self.clock = steps, first, every_s, clock
-        self.last_print = clock()
-
-    def __call__(self, step: int, passed: bool) -> None:
-        now = self.clock()
-        due = step < self.first or step + 1 == self.steps or now - self.last_print >= self.every_s
-        if due or not passed:
-            self.last_print = now
-            progress(f"train step {step + 1}/{self.steps}: {'ok' if passed else 'DIVERGED'}")
 
 
 def _select_checks() -> list[str] | str:
@@ -232,7 +195,7 @@ def _check_processes(cfg: Config) -> None:
     elif processes > 1 and (FLAGS.process_id is None or FLAGS.coordinator_address is None):
         raise BadInput("a multi-process worker needs --coordinator_address and --process_id")
     elif processes > 1:
-        from parity import coordinator  # no JAX
+        from parity.multiprocess import coordinator  # no JAX
 
         coordinator.check_worker_flags(processes, FLAGS.process_id, FLAGS.coordinator_address)
 
@@ -300,7 +263,7 @@ def _run(argv: Sequence[str]) -> int:
         print(f"{_plan(cfg, selected)}; memory {memory.estimate(cfg).describe()}")
         return EXIT_PASS
     if processes > 1 and FLAGS.process_id is None:
-        from parity import launch  # the local launcher never imports JAX
+        from parity.multiprocess import launch  # the local launcher never imports JAX
 
         args = [*positional, *(FLAGS[n].serialize() for n in WORKER_FLAGS if FLAGS[n].present)]
         return launch.launch(args, processes, cfg.num_devices // processes, FLAGS.timeout_s)
@@ -308,7 +271,7 @@ def _run(argv: Sequence[str]) -> int:
 
     import jax  # JAX starts here
 
-    from parity import distributed
+    from parity.multiprocess import distributed
 
     if processes > 1:
         distributed.initialize(
@@ -318,14 +281,14 @@ def _run(argv: Sequence[str]) -> int:
         jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
-    from parity import report
     from parity.decoder.checks import CHECKS
     from parity.decoder.session import DecoderPair
     from parity.engine.result import EXIT_STATUS, errored
+    from parity.reports import report
 
     pair = DecoderPair(cfg)
     if stored is not None:
-        from migrate import checkpoint_io, train_state
+        from migrate.checkpoints import checkpoint_io, train_state
 
         spec = train_state.Spec(stored["framework"], stored["layout"], cfg)
         state = checkpoint_io.restore(FLAGS.checkpoint, spec, pair.mesh, stored)
@@ -385,8 +348,40 @@ def main() -> None:
     app.run(entry, flags_parser=_parse_flags)
 
 
+EXIT_STATUSES = (
+    ("0", "every check passed"),
+    ("1", "a check failed: a real parity difference"),
+    (
+        "2",
+        "bad input: usage, config, output path, golden file, too little memory, a check that "
+        "could not run on this input, a report that could not be written",
+    ),
+    ("3", "a lost worker, an unreachable coordinator, a multi-process run that timed out"),
+    ("4", "an internal error: the tool or a check crashed (--verbose: the traceback)"),
+    ("128+N", "stopped by signal N (130 SIGINT, 143 SIGTERM)"),
+)
+
+
+def help_text() -> str:
+    """`parity --help`: usage, the checks, this command's flags with defaults, exit statuses."""
+    title, usage = __doc__.split("\n\n")[:2]
+    on_request = f" (on request: {', '.join(ON_REQUEST)}; --checks=all runs every one)"
+    return cli_help.help_text(
+        title,
+        usage,
+        [("checks" + on_request, CHECKS.items())],
+        FLAGS,
+        OWN_FLAGS,
+        EXIT_STATUSES,
+    )
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
-    """absl's parser, but a bad flag exits 2 (usage error) with a one-line message."""
+    """absl's parser, but a bad flag exits 2 (usage error) with a one-line message, and
+    `--help` prints this command's own page (absl's lists the flags of the script wrapper)."""
+    if cli_help.wants_help(argv):
+        print(help_text())
+        sys.exit(EXIT_PASS)
     try:
         return FLAGS(argv)
     except flags.Error as e:

@@ -1,9 +1,9 @@
 """`compare_modules`: the parity gate for any Linen module and its NNX port, in one call.
 
 The second front end of the engine (`parity CONFIG` is the first): the same checks
-(`parity.engine`), converters (`migrate.convert`), leaf comparisons and tolerances
-(`parity.compare`), resolver (`migrate.sharding`, Linen's), `CheckResult`s and reports
-(`parity.report`: table, JSON, JUnit, text), on two modules instead of a config.
+(`parity.engine`), converters (`migrate.checkpoints.convert`), leaf comparisons and tolerances
+(`parity.analysis.compare`), resolver (`migrate.common.sharding`, Linen's), `CheckResult`s and
+reports (`parity.reports.report`: table, JSON, JUnit, text), on two modules instead of a config.
 
     >>> with nnx.use_eager_sharding(False):  # the pair of docs/examples/mlp_pair.py
     ...     block = NNXMLP(4, 16, rngs=nnx.Rngs(0))
@@ -34,18 +34,19 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from migrate.config import Rules
+from migrate.config.contract import Rules
 from migrate.errors import EXIT_PASS
-from parity import compare, pair_args, report
+from parity.analysis import compare
 from parity.engine import checks as engine_checks
-from parity.engine import programs, randomness
+from parity.engine import pair_args, programs, randomness
 from parity.engine.calls import DEFAULT_COLLECTIONS, Call, Randomness, named
 from parity.engine.modules import LinenModuleSide, LossFn, NNXModuleSide, mean_square_loss
 from parity.engine.pair import Pair, vacuity_problems
+from parity.engine.pair_args import PairArgumentError
 from parity.engine.programs import PROGRAM_PRIMITIVES, count_primitives
 from parity.engine.result import EXIT_STATUS, CheckResult, errored, skipped
 from parity.engine.side import Run
-from parity.pair_args import PairArgumentError
+from parity.reports import report
 
 CHECKS = ("roundtrip", "forward", "grads", "sharding")  # the default set
 # Every check a module pair can run (`checks=`), in the order they are given.
@@ -136,7 +137,7 @@ def compare_modules(
       mesh: enables the placement and compiled-program comparisons; needs `rules`.
       loss_fn: `outputs -> scalar` for the gradients (summed over the calls); default
         `mean_square_loss`.
-      tolerance: for forward, grads, train and layers (`parity.compare.EXACT`: bit-exact).
+      tolerance: for forward, grads, train and layers (`parity.analysis.compare.EXACT`: bit-exact).
       checks: names from `AVAILABLE`, run in the order given (default `CHECKS`, and `random`
         when a call is stochastic).
       seed: the key of the default Linen `init` and of the calls' random keys.
@@ -210,7 +211,7 @@ def format_report(
     results: Sequence[CheckResult], title: str = "parity", verbose: bool = False
 ) -> str:
     """Plain-text report: one line per check, the failing records, then the notes
-    (`parity.report.text_report`, the report every front end shares); `verbose` adds each
+    (`parity.reports.report.text_report`, the report every front end shares); `verbose` adds each
     error's whole text (tracebacks of module errors)."""
     return report.text_report(results, title, verbose)
 

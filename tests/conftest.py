@@ -23,7 +23,8 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 * 2**30))
 
 import pytest  # noqa: E402
 
-from migrate.config import Config, load_config  # noqa: E402
+from migrate.config.contract import Config  # noqa: E402
+from migrate.config.loading import load_config  # noqa: E402
 from parity import testing  # noqa: E402
 from parity.decoder import cost  # noqa: E402
 

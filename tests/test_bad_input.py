@@ -20,11 +20,14 @@ from rich.console import Console
 from test_cli import run_in_process
 
 from migrate import errors
-from migrate.cli_support import guarded
-from migrate.convert import ConversionError
-from parity import cli, launch, report
+from migrate.checkpoints.convert import ConversionError
+from migrate.runtime.cli_support import guarded
+from parity import cli
 from parity.decoder import checks as decoder_checks
 from parity.engine.result import CheckResult
+from parity.multiprocess import launch
+from parity.reports import progress as progress_lib
+from parity.reports import report
 
 # ------------------------------------------------------------------ config values
 
@@ -406,7 +409,9 @@ def test_a_huge_message_is_cut(capsys, hooks_restored):
 
 def test_train_progress_prints_the_first_steps_then_throttles(capsys):
     seconds = iter(range(1000))  # one second per step
-    progress = cli.StepProgress(100, first=3, every_s=10.0, clock=lambda: float(next(seconds)))
+    progress = progress_lib.StepProgress(
+        100, first=3, every_s=10.0, clock=lambda: float(next(seconds))
+    )
     for step in range(100):
         progress(step, passed=step != 50)
     lines = capsys.readouterr().err.splitlines()

@@ -1,4 +1,4 @@
-"""On-disk checkpoint migration (`migrate.checkpoint`), on real Orbax checkpoints.
+"""On-disk checkpoint migration (`migrate.checkpoints.commands`), on real Orbax checkpoints.
 
 Sources are a Linen checkpoint after one real AdamW step (so the moments and the count are not
 their initial values) and random-valued states (every leaf distinct, so a misplaced layer or a
@@ -21,9 +21,11 @@ import pytest
 from conftest import tiny
 from flax import nnx
 
-from migrate import checkpoint, checkpoint_io, convert, meta, optim, sharding, train_state
-from migrate.meta import CheckpointError
-from migrate.train_state import Spec, TrainState
+from migrate.checkpoints import checkpoint_io, convert, meta, train_state
+from migrate.checkpoints import commands as checkpoint
+from migrate.checkpoints.meta import CheckpointError
+from migrate.checkpoints.train_state import Spec, TrainState
+from migrate.common import optim, sharding
 from parity.decoder import twins
 from parity.decoder.data import synthetic_batch
 
@@ -462,7 +464,7 @@ def test_a_tied_checkpoint_converts_with_one_shared_leaf_and_refuses_an_untied_c
 def test_restaging_between_a_subset_and_all_pipelined(tmp_path):
     """N=10: 8 pipelined (S=4 R=2) plus 2 after the pipeline -> all 10 pipelined (S=2 R=5) ->
     the reference layout -> back to the subset, on random values: every layer lands where
-    `migrate.placement` puts it, bit for bit."""
+    `migrate.common.placement` puts it, bit for bit."""
     cfg, mesh = setup("llama2-tiny-subset")
     spec = Spec("nnx", "pipeline", cfg)
     state = random_state(spec, mesh)

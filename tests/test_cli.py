@@ -14,8 +14,10 @@ import jax
 import pytest
 from conftest import CONFIG_DIR, SHIPPED_TINY_CONFIGS, tiny
 
-from migrate import devices, placement
-from parity import cli, report
+from migrate.common import placement
+from migrate.runtime import devices
+from parity import cli
+from parity.reports import report
 
 REPO = Path(__file__).resolve().parent.parent
 

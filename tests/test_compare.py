@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from conftest import tiny
 
-from migrate import config
-from parity import compare
+from migrate.config import rules
+from parity.analysis import compare
 from parity.decoder.session import vacuity_problems
 from parity.engine.checks import run_records
 from parity.engine.result import verdict
@@ -54,7 +54,7 @@ def test_structure_and_shape_mismatches_raise():
 def test_twins_are_held_to_zero_difference_in_every_dtype_and_precision():
     cfg = tiny("llama2-tiny")
     for dtype, weight_dtype, precision in itertools.product(
-        config.DTYPES, config.DTYPES, config.MATMUL_PRECISIONS
+        rules.DTYPES, rules.DTYPES, rules.MATMUL_PRECISIONS
     ):
         variant = cfg.replace(dtype=dtype, weight_dtype=weight_dtype, matmul_precision=precision)
         assert compare.twin_tolerance(variant) is compare.EXACT

@@ -8,7 +8,8 @@ import math
 import pytest
 from conftest import CONFIG_DIR, SHIPPED_TINY_CONFIGS, tiny
 
-from migrate.config import ConfigError, load_config, parse_overrides
+from migrate.config.contract import ConfigError
+from migrate.config.loading import load_config, parse_overrides
 
 
 @pytest.mark.parametrize("name", [*SHIPPED_TINY_CONFIGS, "llama2-7b", "mixtral-8x7b", "base"])

@@ -13,7 +13,7 @@ import pytest
 from conftest import TINY_CONFIGS, tiny
 from flax import nnx
 
-from migrate import convert
+from migrate.checkpoints import convert
 from parity.decoder import twins
 from parity.decoder.session import DecoderPair
 from parity.engine import checks

@@ -12,8 +12,11 @@ from conftest import CONFIG_DIR, tiny
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from migrate import config, memory, sharding
-from parity import cli, hlo
+from migrate.common import sharding
+from migrate.config import loading
+from migrate.runtime import memory
+from parity import cli
+from parity.analysis import hlo
 from parity.decoder import checks as decoder_checks
 from parity.decoder import cost, efficiency
 from parity.decoder.session import DecoderPair
@@ -175,7 +178,7 @@ def test_7b_compile_check_runs_without_allocating_weights(capsys):
     assert status == cli.EXIT_PASS, out
     # Weights and both AdamW moments in float32, every one sharded 8 ways (the embedding and
     # logits tables over stages too: nothing replicated), all of it donated.
-    cfg = config.load_config(CONFIG_DIR / "llama2-7b.yml")
+    cfg = loading.load_config(CONFIG_DIR / "llama2-7b.yml")
     state = f"{3 * 4 * memory.parameter_count(cfg) / 8 / 2**30:.2f} GiB"
     for twin in ("linen", "nnx"):
         assert f"{twin} args {state} + temp " in out, out

@@ -15,7 +15,8 @@ import pytest
 from conftest import CONFIG_DIR
 from test_cli import REPO, run_in_process
 
-from parity import cli, distributed, launch
+from parity import cli
+from parity.multiprocess import distributed, launch
 
 CONFIG = str(CONFIG_DIR / "llama2-tiny.yml")
 CHECKS = "--checks=roundtrip,forward,grads,pipeline,train"

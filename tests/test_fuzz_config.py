@@ -14,9 +14,10 @@ from hostile import TINY, config_dir
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from migrate import safe_load
-from migrate.bounds import INT_BOUNDS
-from migrate.config import Config, ConfigError, load_config, parse_overrides
+from migrate.config import safe_load
+from migrate.config.bounds import INT_BOUNDS
+from migrate.config.contract import Config, ConfigError
+from migrate.config.loading import load_config, parse_overrides
 from parity import cli
 
 SECONDS = 3.0  # per example, far above what a valid config takes (~10 ms)

@@ -1,4 +1,4 @@
-"""`parity.hlo_diff`: programs diffed instruction by instruction, the difference named."""
+"""`parity.analysis.hlo_diff`: programs diffed instruction by instruction, the difference named."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from parity import compare, hlo_diff
+from parity.analysis import compare, hlo_diff
 from parity.decoder import drilldown
 from parity.engine.result import verdict
 

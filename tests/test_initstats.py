@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from parity import initstats
+from parity.analysis import initstats
 
 N = (8, 64, 32)  # 16,384 elements: the size of the tiny configs' kernels
 

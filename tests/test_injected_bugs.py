@@ -18,7 +18,7 @@ import migrate.nnx.decoder as nnx_decoder
 import migrate.nnx.layers as nnx_layers
 import migrate.nnx.pipeline as nnx_pipeline
 import migrate.nnx.train as nnx_train
-from migrate import axes, numerics
+from migrate.common import axes, numerics
 from parity import cli
 from parity.decoder import twins
 
@@ -584,7 +584,7 @@ def mesh_without_slices(monkeypatch):
     from jax.sharding import AxisType
 
     import migrate.nnx.decoder as nnx_decoder
-    from migrate.config import MESH_AXES
+    from migrate.config.rules import MESH_AXES
 
     original = nnx_decoder.init_model
 
@@ -669,7 +669,7 @@ def test_ag_per_repeat_bugs_are_caught(bug, monkeypatch, fresh_nnx, tmp_path):
 
 # ------------------------------------------------------------------ issue 16: a pipelined subset
 # (`pipeline_parallel_layers`): the layers after the pipeline must run after it, in the rows
-# `migrate.placement` gives them.
+# `migrate.common.placement` gives them.
 
 TINY_SUBSET = str(CONFIG_DIR / "llama2-tiny-subset.yml")
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import tiny
 
-from migrate import axes, layout, placement, schedule
+from migrate.common import axes, layout, placement, schedule
 
 
 def _reference(cfg, feature=3):

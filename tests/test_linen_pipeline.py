@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from conftest import TINY_CONFIGS, tiny
 
-from migrate import schedule
-from parity import compare
+from migrate.common import schedule
+from parity.analysis import compare
 from parity.decoder import twins
 from parity.decoder.session import DecoderPair, vacuity_problems
 from parity.engine.checks import run_records

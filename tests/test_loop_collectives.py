@@ -15,8 +15,9 @@ import pytest
 from conftest import CONFIG_DIR, TINY_CONFIGS, tiny
 
 import migrate.nnx.pipeline as nnx_pipeline
-from migrate import schedule
-from parity import cli, hlo
+from migrate.common import schedule
+from parity import cli
+from parity.analysis import hlo
 from parity.decoder import checks as decoder_checks
 from parity.decoder import cost, twins
 from parity.decoder.session import DecoderPair

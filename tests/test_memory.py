@@ -9,8 +9,10 @@ import jax
 import pytest
 from conftest import CONFIG_DIR, TINY_CONFIGS, tiny
 
-from migrate import memory, sharding, train_state
-from migrate.config import load_config
+from migrate.checkpoints import train_state
+from migrate.common import sharding
+from migrate.config.loading import load_config
+from migrate.runtime import memory
 from parity.decoder import twins
 
 

@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 from conftest import CONFIG_DIR
 
-from migrate import checkpoint, cli, cli_support
-from migrate.config import load_config
-from migrate.meta import CheckpointError, read_meta
+from migrate import cli
+from migrate.checkpoints import commands as checkpoint
+from migrate.checkpoints.meta import CheckpointError, read_meta
+from migrate.config.loading import load_config
+from migrate.runtime import cli_support
 
 # A damaged checkpoint fails an Orbax read while others are in flight; those end in Orbax's
 # closed event loop and Python reports them as unraisable. The CLI silences them (its
@@ -205,3 +207,38 @@ def test_console_script_flag_errors_exit_2_before_jax(tmp_path):
         [*command, "--help"], capture_output=True, text=True, env=env, timeout=120
     )
     assert helped.returncode == 0 and "migrate convert --config=CONFIG" in helped.stdout
+
+
+@pytest.mark.parametrize("program", ["parity", "migrate"])
+def test_help_is_the_front_door(program):
+    """`parity --help` and `migrate --help`, as installed console scripts: the usage, one line
+    per check (or command), every one of the command's flags with its default, and the exit
+    statuses; exit 0 and no JAX start-up (absl alone showed only "Try --helpfull" for parity)."""
+    from migrate import cli as migrate_cli
+    from parity import cli as parity_cli
+    from parity.decoder.catalog import CHECKS
+
+    script = Path(sys.executable).parent / program
+    helped = subprocess.run(
+        [str(script), "--help"], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert helped.returncode == 0, helped.stderr
+    page = helped.stdout
+    assert "Try --helpfull" not in page and f"    {program} " in page
+    if program == "parity":
+        names, own = list(CHECKS), parity_cli.OWN_FLAGS
+        assert "--helpfull" not in own and "verbosity" not in own
+    else:
+        names, own = [name for name, _ in migrate_cli.COMMAND_HELP], list(migrate_cli.FLAGS)
+    for name in names:
+        assert f"\n  {name} " in page, name
+    flag_section = page.split("\nflags:\n", 1)[1].split("\nexit status:\n", 1)[0]
+    entries = {
+        block.split("\n", 1)[0].split("=")[0].replace("[no]", ""): block
+        for block in ("\n" + flag_section).split("\n  --")[1:]
+    }
+    for flag in own:
+        assert "(default:" in entries.get(flag, ""), flag
+    statuses = page.split("exit status:\n", 1)[1]
+    for status in ("0", "1", "2", "4", "128+N"):
+        assert f"\n  {status} " in "\n" + statuses, status

@@ -18,8 +18,10 @@ import pytest
 from hostile import REPO, TINY, command, read_only, refused, run, snapshot
 from test_migrate_cli import migrate as migrate_in_process
 
-from migrate import cli_support, destination, errors
-from migrate.meta import read_meta
+from migrate import errors
+from migrate.checkpoints import destination
+from migrate.checkpoints.meta import read_meta
+from migrate.runtime import cli_support
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 CONFIG = f"--config={TINY}"

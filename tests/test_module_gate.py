@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 
 from migrate import errors
-from parity import compare, pairs
+from parity import pairs
+from parity.analysis import compare
 from parity.engine.result import CheckResult
 from parity.pairs import Call, PairArgumentError, Randomness, compare_modules, format_report
 
@@ -191,7 +192,7 @@ MISUSE = {
     "tolerance": (
         lambda: (LinenBlock(), port(), X),
         {"tolerance": 1e-6},
-        "tolerance is 1e-06; expected a parity.compare.Tolerance",
+        "tolerance is 1e-06; expected a parity.analysis.compare.Tolerance",
     ),
     "dict_inputs": (lambda: (LinenBlock(), port(), {"x": X}), {}, "inputs is a dict"),
     "checks": (lambda: (LinenBlock(), port(), X), {"checks": "forward"}, "checks is 'forward'"),

@@ -14,8 +14,8 @@ import pytest
 from conftest import CONFIG_DIR, tiny
 
 from migrate import cli as migrate_cli
-from migrate import moe
-from migrate.config import ConfigError
+from migrate.common import moe
+from migrate.config.contract import ConfigError
 from parity.decoder.session import BUBBLE_POISON, DecoderPair
 
 pytestmark = pytest.mark.slow

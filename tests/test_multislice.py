@@ -16,8 +16,8 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 from test_cli import run_in_process
 
-from migrate import sharding
-from migrate.config import MESH_AXES
+from migrate.common import sharding
+from migrate.config.rules import MESH_AXES
 from parity import cli
 from parity.decoder import cost, slices
 

@@ -10,9 +10,10 @@ import pytest
 from conftest import SHIPPED_TINY_CONFIGS, tiny
 from flax import nnx
 
-from migrate import convert, sharding
+from migrate.checkpoints import convert
+from migrate.common import sharding
 from migrate.nnx import decoder as nnx_decoder
-from parity import compare
+from parity.analysis import compare
 from parity.decoder import twins
 from parity.decoder.session import DecoderPair
 from parity.engine.checks import run_records

@@ -18,7 +18,8 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from parity import compare, pairs, testing
+from parity import pairs, testing
+from parity.analysis import compare
 from parity.engine.result import CheckResult
 from parity.pairs import compare_modules, format_report
 from parity.testing import assert_parity

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import tiny
 
-from migrate import schedule
+from migrate.common import schedule
 
 
 def test_placement_example_of_pipeline_md():

@@ -11,7 +11,7 @@ from conftest import SHIPPED_TINY_CONFIGS, tiny
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from migrate import axes, placement, sharding
+from migrate.common import axes, placement, sharding
 from migrate.linen.decoder import Decoder, param_shardings
 
 

@@ -10,7 +10,7 @@ import jax
 import pytest
 from conftest import tiny
 
-from migrate import optim, sharding
+from migrate.common import optim, sharding
 from migrate.linen import train as linen_train
 from migrate.nnx import train as nnx_train
 from parity.decoder import twins

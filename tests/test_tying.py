@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from conftest import tiny
 
-from migrate import axes, convert
-from parity import compare
+from migrate.checkpoints import convert
+from migrate.common import axes
+from parity.analysis import compare
 from parity.decoder import twins
 from parity.decoder.session import DecoderPair
 

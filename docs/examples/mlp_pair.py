@@ -18,7 +18,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from migrate import sharding
+from migrate.common import sharding
 
 RULES = (("batch", "data"), ("embed", None), ("mlp", "model"), ("layers", "data"))
 UP = ("embed", "mlp")  # logical names of the up-projection kernel

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from migrate import axes, numerics, placement, sharding
-from migrate.config import Config
+from migrate.common import axes, numerics, placement, sharding
+from migrate.config.contract import Config
 from migrate.linen.layers import DecoderLayer, DenseGeneral, Embed, RMSNorm
 from migrate.linen.pipeline import Pipeline, scan_layers
 
@@ -21,7 +21,7 @@ class Decoder(nn.Module):
     """llama2-style decoder. `use_pipeline=None` follows the config (pipeline when S > 1);
     `False` gives the non-pipelined reference, all layers stacked on one `layers` axis. With a
     pipelined subset (`pipeline_parallel_layers`) the layers after the first P run after the
-    pipeline, scanned, as `layers_after_pipeline` (`migrate.placement`). With
+    pipeline, scanned, as `layers_after_pipeline` (`migrate.common.placement`). With
     `logits_via_embedding` the token embedding is also the logits head (`Embed.attend`) and no
     `logits_dense` exists: the table's gradient sums both uses.
 
@@ -88,7 +88,7 @@ def remat_layer(cfg: Config) -> type[nn.Module]:
 
 
 class LayersAfterPipeline(nn.Module):
-    """The N - P layers after a pipelined subset (`migrate.placement`), scanned, on the batch
+    """The N - P layers after a pipelined subset (`migrate.common.placement`), scanned, on the batch
     split over stages too (`sharding.after_pipeline_config`)."""
 
     config: Config

@@ -2,7 +2,7 @@
 mixtral-style mixture of SwiGLU experts.
 
 Twin of `migrate/nnx/layers.py`: same classes, same order, same parameter names.
-Every parameter is a `LogicallyPartitioned` box with the names declared in `migrate.axes`.
+Every parameter is a `LogicallyPartitioned` box with the names declared in `migrate.common.axes`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
-from migrate import axes, moe, numerics
-from migrate.config import Config
+from migrate.common import axes, moe, numerics
+from migrate.config.contract import Config
 
 # Large negative score for masked positions (finite, so a fully masked row stays NaN-free).
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -196,7 +196,7 @@ class MLP(nn.Module):
 class MoeBlock(nn.Module):
     """Mixtral-style mixture of `num_experts` SwiGLU experts, `num_experts_per_tok` per token.
 
-    Router: `softmax(x @ gate)` over experts in float32, the top k kept (`migrate.moe.route`:
+    Router: `softmax(x @ gate)` over experts in float32, the top k kept (`migrate.common.moe.route`:
     ties go to the lower expert index) and renormalised to sum to 1. Dropless and dense: every
     expert is computed for every token and the outputs combined with the routing weights, zero
     for the experts a token is not routed to. Exact (no capacity, no token dropped), simple, and the

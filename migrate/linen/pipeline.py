@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 
-from migrate import axes, numerics, schedule, sharding
-from migrate.config import Config
+from migrate.common import axes, numerics, schedule, sharding
+from migrate.config.contract import Config
 from migrate.linen.layers import DecoderLayer
 
 

@@ -17,7 +17,7 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from migrate.config import Config
+from migrate.config.contract import Config
 from migrate.linen.decoder import Decoder, training_loss
 from migrate.linen.decoder import param_shardings as param_shardings_of
 

@@ -13,8 +13,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from migrate import axes, numerics, placement, sharding
-from migrate.config import Config
+from migrate.common import axes, numerics, placement, sharding
+from migrate.config.contract import Config
 from migrate.nnx.layers import DecoderLayer, DenseGeneral, Embed, RMSNorm
 from migrate.nnx.pipeline import Pipeline, scan_layers, stack_modules
 
@@ -23,7 +23,7 @@ class Decoder(nnx.Module):
     """llama2-style decoder. `use_pipeline=None` follows the config (pipeline when S > 1);
     `False` gives the non-pipelined reference, all layers stacked on one `layers` axis. With a
     pipelined subset (`pipeline_parallel_layers`) the layers after the first P run after the
-    pipeline, scanned, as `layers_after_pipeline` (`migrate.placement`). With
+    pipeline, scanned, as `layers_after_pipeline` (`migrate.common.placement`). With
     `logits_via_embedding` the token embedding is also the logits head (`Embed.attend`) and no
     `logits_dense` exists: the table's gradient sums both uses.
 
@@ -87,7 +87,7 @@ class Decoder(nnx.Module):
 
 
 class LayersAfterPipeline(nnx.Module):
-    """The N - P layers after a pipelined subset (`migrate.placement`), scanned, on the batch
+    """The N - P layers after a pipelined subset (`migrate.common.placement`), scanned, on the batch
     split over stages too (`sharding.after_pipeline_config`)."""
 
     def __init__(self, config: Config, mesh: Mesh, *, rngs: nnx.Rngs) -> None:

@@ -20,8 +20,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 
-from migrate import axes, numerics, schedule, sharding
-from migrate.config import Config
+from migrate.common import axes, numerics, schedule, sharding
+from migrate.config.contract import Config
 from migrate.nnx.layers import DecoderLayer
 
 

@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from migrate.config import Config
+from migrate.config.contract import Config
 from migrate.nnx.decoder import param_shardings as param_shardings_of
 from migrate.nnx.decoder import training_loss
 

@@ -13,8 +13,8 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from migrate.config import Config
-from parity import compare, hlo
+from migrate.config.contract import Config
+from parity.analysis import compare, hlo
 from parity.decoder import cost, slices
 from parity.decoder import efficiency as pipeline_work
 from parity.decoder.session import BUBBLE_POISON, DecoderPair

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from migrate import optim, sharding
-from migrate.config import Config
-from parity import hlo
+from migrate.common import optim, sharding
+from migrate.config.contract import Config
+from parity.analysis import hlo
 from parity.decoder import twins
 
 

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from migrate import axes, sharding
-from migrate.config import Config
-from parity import distributed
+from migrate.common import axes, sharding
+from migrate.config.contract import Config
+from parity.multiprocess import distributed
 
 SPLIT_SALT = {"train": 1_000_003, "eval": 2_000_003}
 

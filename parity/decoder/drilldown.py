@@ -21,17 +21,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from migrate import axes, convert, placement, schedule
-from migrate.config import Config
+from migrate.checkpoints import convert
+from migrate.common import axes, placement, schedule
+from migrate.config.contract import Config
 from migrate.linen import decoder as linen_decoder
 from migrate.linen import layers as linen_layers
 from migrate.linen import pipeline as linen_pipeline
 from migrate.nnx import decoder as nnx_decoder
 from migrate.nnx import layers as nnx_layers
 from migrate.nnx import pipeline as nnx_pipeline
-from parity import distributed
 from parity.decoder import twins
 from parity.engine.side import DrillStage
+from parity.multiprocess import distributed
 
 # Execution order inside a decoder layer: the first divergence is the first in this order.
 LAYER_ORDER = (
@@ -130,7 +131,7 @@ def _nnx_graphdef(create) -> nnx.GraphDef:
         return nnx.split(nnx.eval_shape(lambda: create(nnx.Rngs(0))))[0]
 
 
-@functools.cache
+@twins.nnx_cache
 def _nnx_layer_fn(cfg: Config, mesh, mode):
     del mode
     graphdef = _nnx_graphdef(lambda rngs: nnx_layers.DecoderLayer(cfg, mesh, rngs=rngs))
@@ -190,7 +191,7 @@ def _linen_outer_fn(cfg: Config, part: str):
     return jax.jit(lambda params, x: module.apply({"params": params}, x, method=method))
 
 
-@functools.cache
+@twins.nnx_cache
 def _nnx_outer_fn(cfg: Config, part: str, mode):
     del mode
     if part == "loss":
@@ -329,7 +330,7 @@ def _iterations(framework: str, cfg: Config, mesh, native: Any, positions) -> Dr
 
 def _after_pipeline(framework: str, cfg: Config, mesh, native: Any, positions) -> DrillStage:
     """Each layer's output after the pipeline, by the twin's own `LayersAfterPipeline` on its
-    own weights, fed the output of the last pipelined layer; named by `migrate.placement`."""
+    own weights, fed the output of the last pipelined layer; named by `migrate.common.placement`."""
     compute_cfg = twins.compute_config(cfg)
     if framework == "linen":
         trace = _linen_after_trace(compute_cfg, mesh)
@@ -359,7 +360,7 @@ def _linen_after_trace(cfg: Config, mesh):
     return jax.jit(lambda params, x, pos: module.apply({"params": params}, x, pos, trace=True))
 
 
-@functools.cache
+@twins.nnx_cache
 def _nnx_after_trace(cfg: Config, mesh, mode):
     del mode
     graphdef = _nnx_graphdef(lambda rngs: nnx_decoder.LayersAfterPipeline(cfg, mesh, rngs=rngs))
@@ -372,7 +373,7 @@ def _linen_trace(cfg: Config, mesh):
     return jax.jit(lambda params, x, pos: pipe.apply({"params": params}, x, pos, trace=True)[-1])
 
 
-@functools.cache
+@twins.nnx_cache
 def _nnx_trace(cfg: Config, mesh, mode):
     del mode
     graphdef = _nnx_graphdef(lambda rngs: nnx_pipeline.Pipeline(cfg, mesh, rngs=rngs))

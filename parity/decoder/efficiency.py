@@ -17,12 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from migrate import axes, convert, placement, sharding
-from migrate.config import MESH_AXES, Config
+from migrate.checkpoints import convert
+from migrate.common import axes, placement, sharding
+from migrate.config.contract import Config
+from migrate.config.rules import MESH_AXES
 from migrate.linen import decoder as linen_decoder
 from migrate.linen import layers as linen_layers
 from migrate.linen import pipeline as linen_pipeline
-from parity import hlo
+from parity.analysis import hlo
 from parity.decoder import twins
 from parity.decoder.cost import with_shardings
 

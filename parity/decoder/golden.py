@@ -1,6 +1,6 @@
 """Golden sharding reports of the decoder twins: every parameter's logical names, resolved
 PartitionSpec and shape, per framework, as sorted JSON (`parity CONFIG --golden=DIR`); the
-per-key differences against a stored one are `parity.report.golden_differences`."""
+per-key differences against a stored one are `parity.reports.report.golden_differences`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from migrate import convert, sharding
-from migrate.config import Config
+from migrate.checkpoints import convert
+from migrate.common import sharding
+from migrate.config.contract import Config
 from parity.decoder import twins
 
 

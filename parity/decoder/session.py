@@ -14,10 +14,10 @@ import functools
 import math
 from typing import Any
 
-from migrate import convert
-from migrate import sharding as sharding_lib
-from migrate.config import Config
-from parity import compare, distributed
+from migrate.checkpoints import convert
+from migrate.common import sharding as sharding_lib
+from migrate.config.contract import Config
+from parity.analysis import compare
 from parity.decoder import drilldown, twins
 from parity.decoder.data import synthetic_batch
 from parity.decoder.sides import LinenDecoderSide, NNXDecoderSide
@@ -25,6 +25,7 @@ from parity.engine.pair import SOURCES, Pair
 from parity.engine.pair import vacuity_problems as pair_vacuity
 from parity.engine.result import exact_records
 from parity.engine.side import Run
+from parity.multiprocess import distributed
 
 # The value the `bubbles` check fills every pipeline buffer slot with before any stage wrote it.
 # One object, so that cached runs and compiled steps keyed on it are found again (NaN != NaN).

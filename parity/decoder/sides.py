@@ -15,12 +15,14 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from migrate import convert, optim
-from migrate import sharding as sharding_lib
-from migrate.config import Config
-from parity import compare, distributed
+from migrate.checkpoints import convert
+from migrate.common import optim
+from migrate.common import sharding as sharding_lib
+from migrate.config.contract import Config
+from parity.analysis import compare
 from parity.decoder import drilldown, twins
 from parity.engine.side import DrillStage, ProgramArray, Run, Side, Trainer
+from parity.multiprocess import distributed
 
 # The train step's positional arguments and results, as labels name them.
 STEP_PARTS = {

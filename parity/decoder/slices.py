@@ -1,12 +1,12 @@
 """Multi-slice facts for the `compile` check: where the stages sit and what crosses slices.
 
 A config with `dcn_pipeline_parallelism > 1` puts blocks of S / dcn consecutive stages in
-different slices (`migrate.sharding.hybrid_device_grid`): the devices of stage k are in the
+different slices (`migrate.common.sharding.hybrid_device_grid`): the devices of stage k are in the
 slice(s) of DCN stage coordinate k // (S / dcn), and the pipeline's rotation crosses the slow
 network (DCN) exactly at the block boundaries, once per boundary of the stage ring (for
 dcn = 2: stage S/2 - 1 -> S/2 and the wrap S - 1 -> 0, forward; the reverse, backward). These
 records check both against the devices themselves: the slice of each device comes from how
-the devices were grouped (`migrate.sharding.group_into_slices`), not from the mesh.
+the devices were grouped (`migrate.common.sharding.group_into_slices`), not from the mesh.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from migrate import sharding
-from migrate.config import MESH_AXES, Config
-from parity import hlo
+from migrate.common import sharding
+from migrate.config.contract import Config
+from migrate.config.rules import MESH_AXES
+from parity.analysis import hlo
 
 DIRECTIONS = ("forward", "backward")
 

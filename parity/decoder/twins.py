@@ -21,14 +21,27 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from migrate import convert, optim, sharding
-from migrate.config import Config
+from migrate.checkpoints import convert
+from migrate.common import optim, sharding
+from migrate.config.contract import Config
 from migrate.linen import decoder as linen_decoder
 from migrate.linen import train as linen_train
 from migrate.nnx import decoder as nnx_decoder
 from migrate.nnx import train as nnx_train
-from parity import distributed
 from parity.engine.side import Run
+from parity.multiprocess import distributed
+
+# Every cache whose value depends on the NNX code registers here (`nnx_cache`), in this module
+# or in the modules that build on it (the drill-down), so that `clear_nnx_caches` reaches them
+# all without importing upwards.
+_NNX_CACHES: list[Any] = []
+
+
+def nnx_cache(fn: Callable) -> Callable:
+    """`functools.cache`, forgotten by `clear_nnx_caches`: for anything traced from NNX code."""
+    cached = functools.cache(fn)
+    _NNX_CACHES.append(cached)
+    return cached
 
 
 def fresh_copy(tree: Any) -> Any:
@@ -163,7 +176,7 @@ def aux_loss(cfg: Config, aux: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------ NNX
 
 
-@functools.cache
+@nnx_cache
 def _nnx_abstract(
     cfg: Config, mesh: Mesh, use_pipeline: bool | None, bubble_fill: float, mode: tuple[bool, bool]
 ):
@@ -182,7 +195,7 @@ def nnx_abstract(
     return _nnx_abstract(cfg, mesh, use_pipeline, bubble_fill, nnx_mode())
 
 
-@functools.cache
+@nnx_cache
 def _nnx_step(
     cfg: Config, mesh: Mesh, use_pipeline: bool | None, bubble_fill: float, mode: tuple[bool, bool]
 ) -> Callable:
@@ -203,7 +216,7 @@ def nnx_train_fns(cfg: Config, mesh: Mesh) -> tuple[Callable, Callable]:
     return _nnx_train_fns(compute_config(cfg), mesh, nnx_mode())
 
 
-@functools.cache
+@nnx_cache
 def _nnx_train_fns(cfg: Config, mesh: Mesh, mode: tuple[bool, bool]) -> tuple[Callable, Callable]:
     graphdef, abstract = _nnx_abstract(cfg, mesh, None, 0.0, mode)
     tx = optim.make_optimizer(cfg)
@@ -226,7 +239,7 @@ def nnx_train_shardings(cfg: Config, mesh: Mesh) -> tuple[Any, Any]:
     return nnx_train.train_state_shardings(abstract, mesh, cfg, optim.make_optimizer(cfg))
 
 
-@functools.cache
+@nnx_cache
 def _nnx_initial_state(
     cfg: Config, mesh: Mesh, use_pipeline: bool | None, mode: tuple[bool, bool]
 ) -> nnx.State:
@@ -258,17 +271,7 @@ def run_nnx(
 def clear_nnx_caches() -> None:
     """Forget every cached NNX graphdef, state and compiled function (after the NNX code
     changed, for example a monkeypatched bug in a test). Linen caches stay valid."""
-    from parity.decoder import drilldown
-
-    for cached in (
-        _nnx_abstract,
-        _nnx_step,
-        _nnx_train_fns,
-        _nnx_initial_state,
-        drilldown._nnx_layer_fn,
-        drilldown._nnx_outer_fn,
-        drilldown._nnx_trace,
-    ):
+    for cached in _NNX_CACHES:
         cached.cache_clear()
 
 

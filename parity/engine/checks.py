@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from parity import compare, distributed, init_check
+from parity.analysis import compare, init_check
 from parity.engine.calls import ByCall
 from parity.engine.pair import SOURCES, Pair
 from parity.engine.result import (
@@ -27,6 +27,7 @@ from parity.engine.result import (
     verdict,
 )
 from parity.engine.side import Run
+from parity.multiprocess import distributed
 
 
 def run_records(

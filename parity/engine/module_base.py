@@ -23,11 +23,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from migrate import convert
-from migrate.config import Rules
-from parity import distributed
+from migrate.checkpoints import convert
+from migrate.config.contract import Rules
 from parity.engine.calls import ByCall, Call, CallInputs, call_keys, draw_keys
 from parity.engine.side import DrillStage, ProgramArray, Run, Side, Trainer
+from parity.multiprocess import distributed
 
 LossFn = Callable[[Any], jax.Array]
 # (outputs, state, rng state, sown values) of one call of one side

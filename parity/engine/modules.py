@@ -5,7 +5,8 @@ every non-parameter collection mutable; `NNXModuleSide` splits the constructed N
 into its Params, its other mapped state (BatchStat, Cache, ...) and the rest (RNG state) and
 runs `nnx.merge` inside `jax.jit` and `jax.grad` (the functional form, so that the pair is
 judged the same way with NNX graph mode on or off), reading sown values with `nnx.capture`.
-Both name everything by Linen collection and path, through `migrate.convert` and `renames`.
+Both name everything by Linen collection and path, through `migrate.checkpoints.convert` and
+`renames`.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ import jax
 from flax import nnx
 from flax.core import DenyList
 
-from migrate import convert
-from parity import distributed
+from migrate.checkpoints import convert
 from parity.engine.calls import is_sown
 from parity.engine.module_base import (
     CallResult,
@@ -33,6 +33,7 @@ from parity.engine.module_base import (
     unboxed_grads,
 )
 from parity.engine.side import SideError
+from parity.multiprocess import distributed
 
 Path = tuple[str, ...]
 __all__ = ["LinenModuleSide", "LossFn", "NNXModuleSide", "mean_square_loss", "to_linen_path"]

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from parity import compare
+from parity.analysis import compare
 from parity.engine.side import Run, Side
 
 SOURCES = ("linen", "nnx")  # whose initial weights both sides run on

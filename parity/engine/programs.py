@@ -14,9 +14,9 @@ from typing import Any
 
 from jax.sharding import NamedSharding
 
-from migrate import convert
-from migrate import sharding as sharding_lib
-from parity import hlo, hlo_diff
+from migrate.checkpoints import convert
+from migrate.common import sharding as sharding_lib
+from parity.analysis import hlo, hlo_diff
 from parity.engine.pair import SOURCES, Pair
 from parity.engine.result import CheckResult, fact_record, facts_verdict
 

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from scipy import stats
 
-from parity import compare
+from parity.analysis import compare
 from parity.engine.pair import Pair
 from parity.engine.result import CheckResult, fact_record, keyed_records
 

@@ -1,7 +1,7 @@
 """What a check returns, and the records and verdicts every check builds it from.
 
-A `CheckResult` is data only (`parity.report` renders it); its `status` says which exit code it
-gives the run. Records are dicts, one per compared leaf or fact; a check's verdict names the
+A `CheckResult` is data only (`parity.reports.report` renders it); its `status` says which exit
+code it gives the run. Records are dicts, one per compared leaf or fact; a check's verdict names the
 first failing record in check order, or with a data-flow rank the failing record with the
 largest error relative to its scale (the earliest in the data flow among equals).
 """
@@ -15,11 +15,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from migrate import convert, errors
+from migrate import errors
+from migrate.checkpoints import convert
+from migrate.common.layout import LayoutError
 from migrate.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_USAGE
-from migrate.layout import LayoutError
-from parity import compare, distributed
+from parity.analysis import compare
 from parity.engine.side import SideError
+from parity.multiprocess import distributed
 
 # A check's status and the exit status it gives the run (the largest over all checks wins):
 # `failed` is a real parity failure; `bad_input` a check that could not run on this input or

@@ -5,8 +5,8 @@ everything framework-specific (building weights, converting them, calling the mo
 gradients, capturing intermediates, lowering the program) lives behind these methods. Weights
 move between the sides through one common form, Linen's variables (`{'params': tree of
 LogicallyPartitioned boxes, other collections...}`), by the strict converters of
-`migrate.convert`; every comparison is made in that form, so that the two sides' leaves line
-up path by path.
+`migrate.checkpoints.convert`; every comparison is made in that form, so that the two sides' leaves
+line up path by path.
 
 Implementations: `parity.engine.modules` (any Linen module and its NNX port) and
 `parity.decoder.sides` (the pipelined decoder twins of a config). A new framework adapter is a
@@ -108,7 +108,8 @@ class Side(abc.ABC):
     @abc.abstractmethod
     def from_common(self, variables: dict[str, Any]) -> Any:
         """The common form -> native weights, checked strictly against this side's model
-        (paths, shapes, dtypes, logical names); raises `migrate.convert.ConversionError`."""
+        (paths, shapes, dtypes, logical names); raises
+        `migrate.checkpoints.convert.ConversionError`."""
 
     @abc.abstractmethod
     def plain(self, tree: Any) -> Any:

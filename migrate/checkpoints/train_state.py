@@ -3,8 +3,9 @@ twin's objects (`TrainState`), their on-disk (pure) form, per-array descriptions
 and fresh states placed on a mesh.
 
 Linen trees hold `LogicallyPartitioned` boxes, NNX trees `nnx.Variable`s and `nnx.State`s; the
-helpers here read and rebuild both, so that `migrate.checkpoint_io` (the on-disk format) and
-`migrate.restage` (conversion between frameworks and layouts) never branch on the wrapper.
+helpers here read and rebuild both, so that `migrate.checkpoints.checkpoint_io` (the on-disk
+format) and `migrate.checkpoints.restage` (conversion between frameworks and layouts) never branch
+on the wrapper.
 """
 
 from __future__ import annotations
@@ -21,16 +22,18 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from migrate import convert, optim, sharding
-from migrate.config import SCHEDULE_DEFAULTS, Config, ConfigError, with_changes
-from migrate.linen import decoder as linen_decoder
-from migrate.meta import (
+from migrate.checkpoints import convert
+from migrate.checkpoints.meta import (
     FRAMEWORKS,
     LAYOUT_KEYS,
     LAYOUTS,
     REFERENCE_KEYS,
     CheckpointError,
 )
+from migrate.common import optim, sharding
+from migrate.config.contract import Config, ConfigError
+from migrate.config.loading import SCHEDULE_DEFAULTS, with_changes
+from migrate.linen import decoder as linen_decoder
 from migrate.nnx import decoder as nnx_decoder
 
 MAX_LISTED = 5  # mismatching paths named in one error

@@ -4,15 +4,16 @@ The first P = `num_pipelined_layers` of N layers run in the pipeline: global lay
 `(r*S + s)*L + j` on stage s during repeat r, in-stage slot j (PIPELINE.md). The other
 N - P = `num_layers_after_pipeline` run after it, outside the pipeline (scanned, on the batch the
 embedding and logits use): layer P + k is row k of the `layers_after_pipeline` stack. Converters
-(`migrate.layout`), checkpoints, the drill-down and the cost accounting all read it from here.
+(`migrate.common.layout`), checkpoints, the drill-down and the cost accounting all read it from
+here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from migrate import schedule
-from migrate.config import Config
+from migrate.common import schedule
+from migrate.config.contract import Config
 
 
 @dataclasses.dataclass(frozen=True)

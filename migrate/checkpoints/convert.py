@@ -15,8 +15,8 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from migrate import axes, layout
-from migrate.config import Config
+from migrate.common import axes, layout
+from migrate.config.contract import Config
 
 Names = tuple[str | None, ...]
 Path = tuple[str, ...]
@@ -322,7 +322,7 @@ def _map_names(fn, names: Any) -> Any:
 
 def linen_pipeline_to_reference(variables: Mapping[str, Any], cfg: Config) -> dict:
     """Linen variables of the pipelined decoder -> those of the reference decoder (boxed); the
-    layers after a pipelined subset follow the pipelined ones (`migrate.placement`)."""
+    layers after a pipelined subset follow the pipelined ones (`migrate.common.placement`)."""
     params = variables["params"]
     if "pipeline" not in params:
         raise layout.LayoutError(

@@ -15,9 +15,9 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from migrate import convert
+from migrate.checkpoints import convert
 from migrate.errors import BadInput
-from parity import compare
+from parity.analysis import compare
 from parity.engine.calls import Call, Randomness, is_array
 
 # Keyword arguments `Module.apply` takes itself: a Linen call cannot pass them to the module.
@@ -251,9 +251,9 @@ def fit(linen_module: nn.Module, nnx_module: nnx.Module, calls: Sequence[Call]) 
 def tolerance(value: Any) -> compare.Tolerance:
     if isinstance(value, compare.Tolerance):
         return value
-    hint = f"parity.compare.Tolerance({value!r}, 'why the pair differs')"
+    hint = f"parity.analysis.compare.Tolerance({value!r}, 'why the pair differs')"
     raise PairArgumentError(
-        f"tolerance is {_shown(value)}; expected a parity.compare.Tolerance, e.g. {hint}"
+        f"tolerance is {_shown(value)}; expected a parity.analysis.compare.Tolerance, e.g. {hint}"
     )
 
 

@@ -72,7 +72,7 @@ LOGITS_BATCH_LENGTH_VOCAB = (
 # Named scopes of the reshards between the two batch splits, on their sharding constraints in
 # the lowered program. XLA does not keep these names on the collectives it derives from them:
 # the compile check counts those by where they run (outside the loops, across stages:
-# `parity.hlo.outside_loops`).
+# `parity.analysis.hlo.outside_loops`).
 INTO_PIPELINE = "reshard_into_pipeline"
 OUT_OF_PIPELINE = "reshard_out_of_pipeline"
 

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from parity import coordinator
+from parity.multiprocess import coordinator
 
 # Test hooks, read by the workers only: worker 1 dies (exit 7) or hangs right after initialize.
 KILL_HOOK, HANG_HOOK = "PARITY_TEST_KILL_WORKER", "PARITY_TEST_HANG_WORKER"
@@ -32,8 +32,8 @@ def initialize(
 ) -> None:
     """Join the distributed runtime (CPU collectives over gloo), then apply the test hooks.
 
-    Bounded (`parity.coordinator`): a coordinator that does not answer, or processes that do not
-    all join within `timeout_s`, end this process with EXIT_WORKER and one line."""
+    Bounded (`parity.multiprocess.coordinator`): a coordinator that does not answer, or processes
+    that do not all join within `timeout_s`, end this process with EXIT_WORKER and one line."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if process_id != 0:
         coordinator.wait_reachable(coordinator_address, timeout_s)

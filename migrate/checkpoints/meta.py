@@ -4,7 +4,7 @@
 what it holds: format, framework, layout, step, layout keys, model keys, and per array its
 shape, dtype, logical names and CRC32. Every field is checked for type and bounds before
 anything uses it: the device count of a conversion comes from these layout keys, so an edited
-field must be refused here, not reach XLA. `migrate.checkpoint` re-exports these names.
+field must be refused here, not reach XLA. `migrate.checkpoints.commands` re-exports these names.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from migrate import safe_load
-from migrate.bounds import INT_BOUNDS
-from migrate.config import DTYPES
+from migrate.config import safe_load
+from migrate.config.bounds import INT_BOUNDS
+from migrate.config.rules import DTYPES
 from migrate.errors import BadInput
 
 FORMAT = "linen-nnx-parity/checkpoint"
@@ -218,8 +218,10 @@ def stored_config(meta: dict[str, Any], cfg: Any, changes: dict[str, Any] | None
     """`cfg` with `changes` as the checkpoint described by a validated `meta` was written: its
     recorded layout keys and weight dtype win; for a reference-layout checkpoint, without a
     pipeline (the decoder then runs its layers as the reference does). Schedule keys that no
-    longer fit reset to their defaults (`migrate.config.with_changes`), as `migrate` does."""
-    from migrate.config import ConfigError, with_changes
+    longer fit reset to their defaults (`migrate.config.loading.with_changes`), as `migrate`
+    does."""
+    from migrate.config.contract import ConfigError
+    from migrate.config.loading import with_changes
 
     recorded = {**meta["layout_keys"], "weight_dtype": meta["weight_dtype"]}
     try:

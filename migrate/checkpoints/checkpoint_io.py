@@ -3,7 +3,7 @@
     DIR/params     PyTreeSave: the parameters as plain arrays (Linen: the `{'params': ...}`
                    tree with its `LogicallyPartitioned` boxes stripped; NNX: the Param state as
                    a pure dict)
-    DIR/opt_state  PyTreeSave: the state of `migrate.optim.make_optimizer(cfg)`, its moments
+    DIR/opt_state  PyTreeSave: the state of `migrate.common.optim.make_optimizer(cfg)`, its moments
                    stripped the same way (Linen boxes or NNX States -> nested dicts)
     DIR/meta       JsonSave: format, framework, layout, step, the config keys that define the
                    layout, the model's shape keys, and per array its logical names, shape, dtype
@@ -13,7 +13,7 @@ That is also what an Orbax `CheckpointManager` with items `params`, `opt_state` 
 under `ROOT/<step>/`, so such a step directory is a checkpoint here. Restores land with the
 sharding of the mesh they are given and are validated against the config's model first (every
 path, shape, logical name and dtype) and against their checksums after. `meta` is read and
-validated without JAX by `migrate.meta`.
+validated without JAX by `migrate.checkpoints.meta`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
-from migrate.meta import ARRAY_ITEMS, FORMAT, MODEL_KEYS, VERSION, CheckpointError, read_meta
-from migrate.train_state import (
+from migrate.checkpoints.meta import (
+    ARRAY_ITEMS,
+    FORMAT,
+    MODEL_KEYS,
+    VERSION,
+    CheckpointError,
+    read_meta,
+)
+from migrate.checkpoints.train_state import (
     Leaf,
     Spec,
     TrainState,

@@ -5,7 +5,7 @@ only with `scan_layers_per_stage`; otherwise in-stage layer j is its own subtree
 The reference stacks all N layers as `[N, ...]`. Since global layer `(r*S + s)*L + j` is the
 row-major index of `(r, s, j)`, moving between the two is a reshape plus a split or stack of the
 L axis. With a pipelined subset only the first P rows are reshaped so; the other N - P are the
-`layers_after_pipeline` stack `[N-P, ...]` as they are (`migrate.placement`). Works on plain
+`layers_after_pipeline` stack `[N-P, ...]` as they are (`migrate.common.placement`). Works on plain
 arrays and on logical-name tuples alike, for either framework.
 """
 
@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from migrate import axes, placement
-from migrate.config import Config
+from migrate.common import axes, placement
+from migrate.config.contract import Config
 
 Tree = Mapping[str, Any]
 

@@ -1,10 +1,10 @@
 """Conversion of a train state between the twins and between layouts, leaf by leaf.
 
 A state is taken apart into flat Linen-form trees (`Weights`), each tree moved to the target
-layout one weight at a time (`migrate.convert` and `migrate.layout`: each new array is built,
-placed with its target sharding, and its source dropped before the next, so that peak memory
-stays near one copy), and assembled into the target twin's objects, checked strictly against
-the target config's model. `differences` compares two states bit for bit.
+layout one weight at a time (`migrate.checkpoints.convert` and `migrate.common.layout`: each new
+array is built, placed with its target sharding, and its source dropped before the next, so that
+peak memory stays near one copy), and assembled into the target twin's objects, checked strictly
+against the target config's model. `differences` compares two states bit for bit.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from migrate import axes, convert
-from migrate.checkpoint_io import host_copy
-from migrate.meta import ARRAY_ITEMS, CheckpointError
-from migrate.train_state import (
+from migrate.checkpoints import convert
+from migrate.checkpoints.checkpoint_io import host_copy
+from migrate.checkpoints.meta import ARRAY_ITEMS, CheckpointError
+from migrate.checkpoints.train_state import (
     MAX_LISTED,
     Path_,
     Spec,
@@ -37,6 +37,7 @@ from migrate.train_state import (
     names_of,
     value_of,
 )
+from migrate.common import axes
 
 
 @dataclasses.dataclass
@@ -142,7 +143,8 @@ def _finisher(spec: Spec, mesh: Mesh, dtype: str | None) -> Callable[[Any], Any]
 @functools.cache
 def _mover(src: Spec, tgt: Spec, dtype: str | None) -> Callable[[Any], Any]:
     """Linen boxes of one layer weight in `src`'s layout -> in `tgt`'s, through the reference
-    layout (`migrate.convert` and `migrate.layout`, names and arrays alike), cast to `dtype`."""
+    layout (`migrate.checkpoints.convert` and `migrate.common.layout`, names and arrays alike),
+    cast to `dtype`."""
 
     def move(variables):
         if src.use_pipeline:

@@ -4,7 +4,7 @@ Every other check moves one side's weights into the other, so the two initialisa
 compared there; a port whose initializer has the wrong scale or family passes them all and then
 trains differently from step 0. The two frameworks derive keys differently (the same seed gives
 different draws), so this check compares, per parameter, the logical names, shape and dtype
-exactly and the distribution statistically (`parity.initstats`).
+exactly and the distribution statistically (`parity.analysis.initstats`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from migrate import convert
-from parity import distributed, initstats
+from migrate.checkpoints import convert
+from parity.analysis import initstats
+from parity.multiprocess import distributed
 
 METRIC = "stat/bound"
 
@@ -27,7 +28,7 @@ def init_records(linen_params: Any, nnx_params: Any) -> list[dict]:
     """Per parameter: names, shape, dtype, then each distribution statistic; NNX against Linen.
 
     Both are the common form's `params` trees (Linen boxes; NNX weights moved there by
-    `migrate.convert.nnx_to_linen`)."""
+    `migrate.checkpoints.convert.nnx_to_linen`)."""
     linen_arrays, linen_names = _flat_leaves(linen_params)
     nnx_arrays, nnx_names = _flat_leaves(nnx_params)
     records: list[dict] = []

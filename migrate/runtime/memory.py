@@ -27,7 +27,7 @@ import dataclasses
 
 import psutil
 
-from migrate.config import Config
+from migrate.config.contract import Config
 from migrate.errors import BadInput
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}

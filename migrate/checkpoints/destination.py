@@ -34,9 +34,10 @@ from pathlib import Path
 
 import psutil
 
-from migrate import meta, safe_load
-from migrate.cli_support import raise_if_interrupted, signals_deferred, unwritable_reason
-from migrate.meta import CheckpointError
+from migrate.checkpoints import meta
+from migrate.checkpoints.meta import CheckpointError
+from migrate.config import safe_load
+from migrate.runtime.cli_support import raise_if_interrupted, signals_deferred, unwritable_reason
 
 STAGING_PREFIX = ".migrate-staging-"
 NEWBORN_PREFIX = ".migrate-newborn-"  # a staging directory until its owner file is written

@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from migrate import axes
-from migrate.config import Config
+from migrate.common import axes
+from migrate.config.contract import Config
 
 _PRECISION = {
     "default": jax.lax.Precision.DEFAULT,

@@ -1,11 +1,12 @@
 """The checkpoint commands: write a fresh checkpoint, convert one between frameworks and layouts,
 compare two bit for bit.
 
-The parts: `migrate.train_state` (what a checkpoint holds, as the twins' objects),
-`migrate.checkpoint_io` (the on-disk Orbax format, validated reads), `migrate.restage`
-(conversion leaf by leaf). A command writes into a staging directory that is moved into place
-only when complete and, if asked, verified (`migrate.destination`: what `--force` may replace,
-signals, stale staging directories); any error or failed check leaves the destination as it was.
+The parts: `migrate.checkpoints.train_state` (what a checkpoint holds, as the twins' objects),
+`migrate.checkpoints.checkpoint_io` (the on-disk Orbax format, validated reads),
+`migrate.checkpoints.restage` (conversion leaf by leaf). A command writes into a staging directory
+that is moved into place only when complete and, if asked, verified
+(`migrate.checkpoints.destination`: what `--force` may replace, signals, stale staging
+directories); any error or failed check leaves the destination as it was.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from migrate import cli_support, destination, sharding
-from migrate.checkpoint_io import restore, save
-from migrate.config import Config
-from migrate.meta import CheckpointError, read_meta
-from migrate.restage import assemble, differences, relayout, same_layout, take_apart
-from migrate.train_state import Spec, TrainState, init_state, plan, to_pure
+from migrate.checkpoints import destination
+from migrate.checkpoints.checkpoint_io import restore, save
+from migrate.checkpoints.meta import CheckpointError, read_meta
+from migrate.checkpoints.restage import assemble, differences, relayout, same_layout, take_apart
+from migrate.checkpoints.train_state import Spec, TrainState, init_state, plan, to_pure
+from migrate.common import sharding
+from migrate.config.contract import Config
+from migrate.runtime import cli_support
 
 
 def compare_checkpoints(

@@ -18,8 +18,9 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from migrate import axes
-from migrate.config import MESH_AXES, Config, Rules
+from migrate.common import axes
+from migrate.config.contract import Config, Rules
+from migrate.config.rules import MESH_AXES
 from migrate.errors import BadInput
 
 LogicalNames = tuple[str | None, ...]

@@ -17,9 +17,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from migrate import cli_support, errors, safe_load
+from migrate import errors
+from migrate.config import safe_load
 from migrate.errors import EXIT_PASS, BadInput
-from parity import report
+from migrate.runtime import cli_support
+from parity.reports import report
 
 MAX_GOLDEN_BYTES = 64 << 20
 

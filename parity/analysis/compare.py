@@ -15,8 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from migrate.config import Config
-from parity.distributed import to_host
+from migrate.config.contract import Config
+from parity.multiprocess.distributed import to_host
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from migrate.config import Config
+from migrate.config.contract import Config
 
 
 def layer_index(repeat: int, stage: int, slot: int, num_stages: int, layers_per_stage: int) -> int:
@@ -34,7 +34,7 @@ def stage_layers(cfg: Config, stage: int) -> list[int]:
 
 def placement(cfg: Config) -> dict[int, tuple[int, int, int]]:
     """Global layer -> (repeat, stage, slot), for every pipelined layer (the first P; where the
-    others run: `migrate.placement`)."""
+    others run: `migrate.common.placement`)."""
     return {
         layer_index(r, s, j, cfg.num_stages, cfg.layers_per_stage): (r, s, j)
         for r in range(cfg.num_repeats)

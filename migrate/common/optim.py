@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import optax
 
-from migrate.config import Config
+from migrate.config.contract import Config
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:

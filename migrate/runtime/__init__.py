@@ -1,0 +1,2 @@
+"""What the commands need around their work: shared argument plumbing, the memory estimate,
+simulated devices."""

@@ -1,0 +1,1 @@
+"""Reports: the report files a run writes and their renderers (table, JSON, JUnit, text, plot)."""

@@ -1,0 +1,34 @@
+"""What a `parity` run prints while it runs (stderr, `[parity] ...`): one line per stage, and
+the train check's steps without flooding a long run. No JAX here."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+
+def progress(message: str) -> None:
+    print(f"[parity] {message}", file=sys.stderr, flush=True)
+
+
+class StepProgress:
+    """`on_step` of the train check: prints the first steps, then at most every `every_s`
+    seconds, the last step, and every diverged step."""
+
+    def __init__(
+        self,
+        steps: int,
+        first: int = 3,
+        every_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.steps, self.first, self.every_s, self.clock = steps, first, every_s, clock
+        self.last_print = clock()
+
+    def __call__(self, step: int, passed: bool) -> None:
+        now = self.clock()
+        due = step < self.first or step + 1 == self.steps or now - self.last_print >= self.every_s
+        if due or not passed:
+            self.last_print = now
+            progress(f"train step {step + 1}/{self.steps}: {'ok' if passed else 'DIVERGED'}")
