@@ -40,7 +40,7 @@ from migrate.errors import EXIT_INTERNAL, EXIT_WORKER
 GRACE_S = 30.0  # how long the others may run on after one worker ended with 0, 1 or 2
 KILL_AFTER_S = 5.0  # SIGTERM -> SIGKILL
 NORMAL = (0, 1, 2)
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # the checkout: parity/multiprocess/launch.py
 _print_lock = threading.Lock()
 
 
