@@ -189,7 +189,7 @@ cli.main()
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_after_success_exits_quietly_with_the_checkpoint_complete(sig, tmp_path):
     """Ctrl-C during interpreter exit, after the checkpoint was written: the decided status
     (0), one line that says the work was complete, no `KeyboardInterrupt` traceback."""
