@@ -344,7 +344,8 @@ def main() -> None:
     verbose = lambda: FLAGS["verbose"].value or "--verbose" in sys.argv
     if not verbose():
         cli_support.quiet_library_tracebacks()
-    cli_support.exit_now(cli_support.guarded("migrate", lambda: _main(sys.argv), verbose))
+    status = cli_support.guarded("migrate", lambda: _main(sys.argv), verbose)
+    cli_support.exit_now(status, program="migrate")
 
 
 if __name__ == "__main__":

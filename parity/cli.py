@@ -146,6 +146,8 @@ def usage_error(message: str) -> int:
 def _select_checks() -> list[str] | str:
     if FLAGS.checks == ["all"]:
         return list(CHECK_NAMES)
+    if FLAGS.checks is not None and not any(FLAGS.checks):  # `--checks=` or `--checks=,`
+        return f"--checks: no checks selected; known checks: {', '.join(CHECK_NAMES)}, all"
     selected = FLAGS.checks or [c for c in CHECK_NAMES if c not in ON_REQUEST]
     unknown = [c for c in selected if c not in CHECK_NAMES]
     if unknown:
@@ -343,7 +345,8 @@ def main() -> None:
         if not verbose():
             cli_support.quiet_library_tracebacks()
         status = cli_support.guarded("parity", lambda: run(argv), verbose)
-        cli_support.exit_now(status, distributed=FLAGS["process_id"].value is not None)
+        worker = FLAGS["process_id"].value is not None
+        cli_support.exit_now(status, distributed=worker, program="parity")
 
     app.run(entry, flags_parser=_parse_flags)
 

@@ -115,10 +115,3 @@ def config_dir(tmp_path: Path, model_yaml: str | bytes, name: str = "model.yml")
     path = folder / name
     path.write_bytes(model_yaml if isinstance(model_yaml, bytes) else model_yaml.encode())
     return path
-
-
-def tiny_yaml(**changes: object) -> str:
-    """llama2-tiny.yml's text with `changes` appended as YAML lines (later keys win)."""
-    lines = [(CONFIGS / "llama2-tiny.yml").read_text()]
-    lines += [f"{k}: {v}" for k, v in changes.items()]
-    return "\n".join(lines) + "\n"

@@ -77,6 +77,14 @@ BAD_VALUES = [
     ("undecodable-name", [b"model_name=\xff"], ["model_name"]),
     ("self-alias", ["logical_axis_rules=&a [*a]"], ["alias *a refers to itself"]),
     ("deep-override", ["seed=" + "[" * 40 + "]" * 40], ["nested deeper than 32 levels"]),
+    (
+        "misspelled-rule-name",  # would leave every embed dimension replicated, and pass
+        ["logical_axis_rules=[[embd, fsdp], [layers, stage]]"],
+        ["logical_axis_rules: 'embd' names no logical axis", "did you mean 'embed'?"],
+    ),
+    ("duplicate-key-in-override", ["logical_axis_rules={a: 1, a: 2}"], ["key 'a' appears twice"]),
+    ("no-checks", ["--checks="], ["--checks: no checks selected; known checks: roundtrip"]),
+    ("no-checks-commas", ["--checks=,"], ["no checks selected"]),
 ]
 
 
@@ -109,6 +117,11 @@ BAD_FILES = [
     ("python-object", "model_name: !!python/object:os.system ls\n", ["not valid YAML"]),
     ("two-documents", "model_name: a\n---\nmodel_name: b\n", ["not valid YAML"]),
     ("huge-integer-text", "seed: " + "9" * 5000 + "\n", ["model.yml: ValueError"]),
+    (
+        "duplicate-key",  # PyYAML keeps the last silently: the run would use S=2
+        "model_name: dup\nici_pipeline_parallelism: 4\nseed: 1\nici_pipeline_parallelism: 2\n",
+        ["model.yml: key 'ici_pipeline_parallelism' appears twice (lines 2 and 4)"],
+    ),
 ]
 
 

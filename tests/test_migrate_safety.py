@@ -10,6 +10,7 @@ import resource
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -175,6 +176,62 @@ def test_a_signal_during_conversion_removes_the_staging_directory(sig, src, tmp_
     assert b"Traceback" not in err
     time.sleep(1)  # nothing may reappear
     assert list(out.iterdir()) == []
+
+
+# `migrate` as its console script runs it, with one exit hook that holds the interpreter's
+# shutdown open (JAX clears its caches in one): a signal then lands after the outcome is decided.
+SLOW_EXIT = """
+import atexit, sys, time
+atexit.register(lambda: (print("shutting down", file=sys.stderr, flush=True), time.sleep(30)))
+from migrate import cli
+sys.argv = ["migrate", *sys.argv[1:]]
+cli.main()
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_after_success_exits_quietly_with_the_checkpoint_complete(sig, tmp_path):
+    """Ctrl-C during interpreter exit, after the checkpoint was written: the decided status
+    (0), one line that says the work was complete, no `KeyboardInterrupt` traceback."""
+    dst = tmp_path / "dst"
+    process = subprocess.Popen(
+        [sys.executable, "-c", SLOW_EXIT, "init", CONFIG, "--framework=linen", str(dst)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    line = b""
+    while b"shutting down" not in line:
+        line = process.stderr.readline()
+        assert line or process.poll() is None, "exited before its shutdown"
+    process.send_signal(sig)
+    _, err = process.communicate(timeout=30)
+    err = err.decode()
+    assert process.returncode == 0, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert f"migrate: {sig.name} while exiting: the work was already complete (exit 0)" in err
+    assert read_meta(dst)["framework"] == "linen"
+    assert [p.name for p in tmp_path.iterdir()] == ["dst"]
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_an_empty_directory_is_a_destination(force, src, tmp_path):
+    """`mkdir out && migrate convert SRC out` writes there (nothing to lose), with or without
+    --force; a non-empty directory is refused without advising a --force that would then be
+    refused too."""
+    out = tmp_path / "out"
+    out.mkdir()
+    args = [*CONVERT, *(["--force"] if force else []), str(src), str(out)]
+    assert migrate_in_process(*args) == 0
+    assert read_meta(out)["framework"] == "linen"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    result = run("migrate", *CONVERT, str(src), str(other), timeout=60)
+    err = refused(result, errors.EXIT_USAGE, "is not a checkpoint this tool wrote", "even with")
+    assert "pass --force" not in err
+    assert (other / "keep.txt").read_text() == "mine"
 
 
 def test_a_signal_waits_until_the_final_move_is_done():

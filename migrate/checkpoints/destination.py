@@ -3,6 +3,8 @@ move, and the removal of staging directories that killed runs left behind. No JA
 
 Rules (docs/checkpoints.md, "Safety"):
 
+- An empty directory is a destination like a missing one (nothing in it to lose), with or
+  without `--force`.
 - `--force` replaces a destination only when it is a checkpoint this tool recognises (its items
   and a valid `meta`); anything else (a directory of other files, a file, a symbolic link, the
   current directory or one above it, the source or a directory above it) is refused, always.
@@ -65,8 +67,18 @@ def _check_parent(dst: Path) -> None:
         raise CheckpointError(f"{dst}: cannot be created: {reason}")
 
 
+def _empty_directory(dst: Path) -> bool:
+    """A real directory (not a link) with nothing in it: nothing to lose by writing there."""
+    try:
+        return dst.is_dir() and not dst.is_symlink() and next(os.scandir(dst), None) is None
+    except OSError:
+        return False
+
+
 def replaceable_problem(dst: Path) -> str | None:
     """Why `--force` must not replace the existing `dst`, or None when it may."""
+    if _empty_directory(dst):
+        return None
     if dst.is_symlink():
         return "is a symbolic link"
     if not dst.is_dir():
@@ -94,12 +106,12 @@ def check_destination(src: Path | None, dst: Path, force: bool) -> None:
         cwd = _real(Path.cwd())
     if cwd is not None and _inside(cwd, real_dst):
         raise CheckpointError(f"{dst}: the destination is or contains the current directory")
-    if dst.exists() or dst.is_symlink():
-        if not force:
-            raise CheckpointError(f"{dst}: already exists; pass --force to replace it")
-        problem = replaceable_problem(dst)
+    if (dst.exists() or dst.is_symlink()) and not _empty_directory(dst):
+        problem = replaceable_problem(dst)  # first: never advise --force where it is refused
         if problem:
             raise CheckpointError(f"{dst}: {problem}; not replacing it, even with --force")
+        if not force:
+            raise CheckpointError(f"{dst}: already exists; pass --force to replace it")
     _check_parent(dst)
 
 
@@ -206,13 +218,14 @@ def publish(staging: Path, dst: Path, force: bool) -> None:
     raise_if_interrupted()
     with signals_deferred():
         if dst.exists() or dst.is_symlink():
-            if not force:
-                raise CheckpointError(
-                    f"{dst}: appeared while converting; pass --force to replace it"
-                )
+            empty = _empty_directory(dst)
             problem = replaceable_problem(dst)
             if problem:
                 raise CheckpointError(f"{dst}: {problem}; not replacing it, even with --force")
+            if not (force or empty):
+                raise CheckpointError(
+                    f"{dst}: appeared while converting; pass --force to replace it"
+                )
             dst.rename(staging / REPLACED)
         staged(staging).rename(dst)
     discard(staging)

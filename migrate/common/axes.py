@@ -79,3 +79,15 @@ OUT_OF_PIPELINE = "reshard_out_of_pipeline"
 # Remat checkpoint names (PIPELINE.md "Remat").
 ITERATION_INPUT = "iteration_input"
 DECODER_LAYER_INPUT = "decoder_layer_input"
+
+# Every logical name the decoder gives a parameter or an activation dimension (the tuples above
+# and the stacked-layer axes). A rule for any other name resolves nothing: a misspelled rule
+# (`embd`) would leave every `embed` dimension replicated and the run would pass, so the config
+# refuses it (`migrate.config.rules`).
+LOGICAL_NAMES: frozenset[str] = frozenset(
+    name
+    for value in list(globals().values())
+    if isinstance(value, tuple)
+    for name in value
+    if isinstance(name, str)
+) | {REFERENCE_LAYERS, STAGE, CIRCULAR_REPEATS, LAYERS_PER_STAGE, LAYERS_AFTER_PIPELINE}

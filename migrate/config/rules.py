@@ -7,9 +7,11 @@ from `Config.__post_init__` without an import cycle.
 
 from __future__ import annotations
 
+import difflib
 import math
 from typing import TYPE_CHECKING, Any
 
+from migrate.common.axes import LOGICAL_NAMES
 from migrate.config import bounds
 
 if TYPE_CHECKING:
@@ -185,6 +187,7 @@ def violations(cfg: Config) -> list[str]:
                 f"logical_axis_rules: {_short(rule_name)} -> {_short(axis)}: unknown mesh axis "
                 f"(mesh axes: {', '.join(MESH_AXES)})",
             )
+        need(rule_name in LOGICAL_NAMES, _unknown_name(rule_name))
         twice = sorted({a for a in axes if a is not None and axes.count(a) > 1})
         need(
             not twice,
@@ -196,6 +199,15 @@ def violations(cfg: Config) -> list[str]:
     if cfg.using_pipeline:
         out.extend(_pipeline_violations(cfg))
     return out
+
+
+def _unknown_name(rule_name: str) -> str:
+    close = difflib.get_close_matches(str(rule_name), sorted(LOGICAL_NAMES), n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    return (
+        f"logical_axis_rules: {_short(rule_name)} names no logical axis of this decoder, so the "
+        f"rule would shard nothing{hint} (its names: migrate/common/axes.py)"
+    )
 
 
 def _data_txt(cfg: Config) -> str:

@@ -80,13 +80,46 @@ def _check_budget(text: str, source: str) -> None:
             )
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """The safe loader, refusing a mapping that states one key twice (PyYAML keeps the last one
+    silently, so a config that says `S: 4` and later `S: 2` would run with 2). A key a merge
+    (`<<: *base`) brings in may still be overridden: only the mapping's own keys count."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        if isinstance(node, yaml.MappingNode):
+            first_line: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    earlier = first_line.get(key)
+                except TypeError:  # an unhashable key: the base loader reports it
+                    continue
+                if earlier is not None:
+                    raise _DuplicateKey(
+                        f"key {shorten(repr(key), 80)} appears twice (lines {earlier} and "
+                        f"{line}); keep one"
+                    )
+                first_line[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(text: str, source: str) -> Any:
-    """`yaml.safe_load(text)` within the bounds; any problem is a ParseError naming `source`."""
+    """`yaml.safe_load(text)` within the bounds, no key stated twice in one mapping; any problem
+    is a ParseError naming `source`."""
     if len(text) > MAX_YAML_BYTES:
         raise ParseError(f"{source}: longer than {MAX_YAML_BYTES} characters")
     try:
         _check_budget(text, source)
-        return yaml.load(text, Loader=yaml.SafeLoader)
+        return yaml.load(text, Loader=_StrictLoader)
+    except _DuplicateKey as e:
+        raise ParseError(f"{source}: {e}") from None
     except yaml.YAMLError as e:
         raise ParseError(f"{source}: not valid YAML: {shorten(str(e), 600)}") from None
     except (ValueError, TypeError, OverflowError, RecursionError) as e:

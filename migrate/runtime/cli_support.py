@@ -144,16 +144,43 @@ def guarded(program: str, body: Callable[[], int], verbose: Callable[[], bool]) 
         return status
 
 
-def exit_now(status: int, distributed: bool = False) -> None:
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
+def _interrupted_while_exiting(program: str, status: int) -> Callable[[int, object], None]:
+    def leave(signum: int, frame) -> None:
+        _flush()
+        with contextlib.suppress(Exception):
+            name = signal.Signals(signum).name
+            print(
+                f"{program}: {name} while exiting: the work was already complete "
+                f"(exit {status}); leaving now",
+                file=sys.stderr,
+                flush=True,
+            )
+        os._exit(status)
+
+    return leave
+
+
+def exit_now(status: int, distributed: bool = False, program: str = "") -> None:
     """Exit with `status`. After an internal error, a lost worker or an interrupt, threads that
     JAX, Orbax or the distributed runtime left running must not hold the process (or hang it in
     their shutdown): flush and leave at once. Otherwise a normal exit; so too after an internal
-    error in a multi-process run (`distributed`), whose peers leave the runtime together."""
+    error in a multi-process run (`distributed`), whose peers leave the runtime together.
+
+    The outcome is decided here (a checkpoint in place, a report written): a SIGINT or SIGTERM
+    during the interpreter's shutdown (JAX clears its caches then) ends it at once with that
+    status and one line, instead of a `KeyboardInterrupt` traceback from an exit hook."""
+    if program and threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, _interrupted_while_exiting(program, status))
     prompt = status == EXIT_WORKER or status >= 128 or (status == EXIT_INTERNAL and not distributed)
     if prompt and "jax" in sys.modules:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
+        _flush()
         os._exit(status)
     sys.exit(status)
 
