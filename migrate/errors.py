@@ -3,7 +3,7 @@
     0  pass (parity holds; the checkpoint was written)
     1  a real parity or verification failure
     2  bad input: usage, config, checkpoint, paths, and resources (out of memory, disk full)
-    3  a lost worker or an unreachable coordinator (multi-process runs)
+    3  a lost worker or an unreachable coordinator (multi-process runs, another environment)
     4  an internal error: an exception nobody expected, that is, a bug in the tool
     130, 143  interrupted by SIGINT, SIGTERM (128 + the signal's number)
 
@@ -28,6 +28,11 @@ MESSAGE_CHARS = 2000  # an error message is cut here: a hostile input must not p
 class BadInput(Exception):
     """Input the tool refuses (config, checkpoint, path, flag): exit 2, its message, no
     traceback. The project's own error classes (ConfigError, CheckpointError, ...) derive it."""
+
+
+class WorkerLost(Exception):
+    """A worker process that died, hung past its time bound or broke the protocol: exit 3. The
+    run cannot go on without it (every later call would fail the same way)."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -107,6 +112,8 @@ def classify(error: BaseException) -> tuple[int, str, str]:
         return 128 + signal.SIGINT, "interrupted", "stopped by SIGINT"
     if isinstance(error, BadInput):
         return EXIT_USAGE, "error", shorten(str(error))
+    if isinstance(error, WorkerLost):
+        return EXIT_WORKER, "error", shorten(str(error))
     if out_of_memory(error):
         detail = shorten(_first_line(error), 500)
         return (

@@ -37,10 +37,10 @@ from migrate.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_USAGE, BadI
 from migrate.runtime import cli_help, cli_support, memory
 from migrate.runtime.devices import ensure_simulated_devices
 from parity.decoder.catalog import ABSTRACT_CHECKS, CHECK_NAMES, CHECKS, ON_REQUEST  # no JAX
+from parity.multiprocess import coordinator  # no JAX
+from parity.remote import environments as remote_environments  # no JAX
 from parity.reports.outputs import Outputs  # no JAX
-from parity.reports.progress import StepProgress, progress
-
-MAX_LOCAL_PROCESSES = 32
+from parity.reports.progress import StepProgress, plan, progress
 
 FLAGS = flags.FLAGS
 _ABSL_FLAGS = set(FLAGS)  # absl's own (--helpfull lists them): not this command's
@@ -112,6 +112,23 @@ flags.DEFINE_string(
     "either layout) instead of the twins' own initialisations: the config takes the "
     "checkpoint's recorded layout keys and weight dtype.",
 )
+for _side in ("linen", "nnx"):
+    flags.DEFINE_string(
+        f"{_side}_python",
+        None,
+        f"Run the {_side} side in a worker process started with this interpreter (another "
+        "environment; the other side then runs in a worker of its own, with this one's "
+        "interpreter unless given).",
+    )
+    flags.DEFINE_string(
+        f"{_side}_path",
+        None,
+        f"The checkout whose migrate/ and parity/ the {_side} side's worker imports (another "
+        "version of the code: gate before/after a change).",
+    )
+flags.DEFINE_float(
+    "worker_timeout_s", 600.0, "Each call to a worker must answer within this.", lower_bound=1
+)
 flags.DEFINE_boolean("verbose", False, "Print the traceback of an internal error.")
 flags.DEFINE_boolean(
     "dry_run",
@@ -153,53 +170,6 @@ def _select_checks() -> list[str] | str:
     if unknown:
         return f"unknown checks {unknown}; known: {', '.join(CHECK_NAMES)}"
     return selected
-
-
-def _plan(cfg: Config, selected: Sequence[str]) -> str:
-    return (
-        f"{cfg.model_name}: {cfg.num_devices} devices{_slices(cfg)} in "
-        f"{FLAGS.num_processes} process(es), "
-        f"S={cfg.num_stages} M={cfg.num_microbatches} R={cfg.num_repeats} "
-        f"L={cfg.layers_per_stage}; checks: {', '.join(selected)}"
-    )
-
-
-def _slices(cfg: Config) -> str:
-    """The slices a multi-slice mesh spans, as the plan line says them."""
-    if cfg.num_slices == 1:
-        return ""
-    return (
-        f" ({cfg.num_slices} slices of {cfg.num_devices // cfg.num_slices}: "
-        f"dcn_data_parallelism={cfg.dcn_data_parallelism} x "
-        f"dcn_pipeline_parallelism={cfg.dcn_pipeline_parallelism})"
-    )
-
-
-def _check_processes(cfg: Config) -> None:
-    processes = FLAGS.num_processes
-    if cfg.num_devices % processes:
-        raise BadInput(
-            f"--num_processes={processes} does not divide the mesh's {cfg.num_devices} devices"
-        )
-    per_process, per_slice = cfg.num_devices // processes, cfg.num_devices // cfg.num_slices
-    if processes > 1 and per_slice % per_process and per_process % per_slice:
-        raise BadInput(
-            f"--num_processes={processes} ({per_process} devices each) and {cfg.num_slices} "
-            f"slices of {per_slice} devices (dcn_data_parallelism x dcn_pipeline_parallelism): "
-            "a process must hold whole slices, or a slice whole processes (hosts)"
-        )
-    if processes > 1 and FLAGS.process_id is None and FLAGS.coordinator_address is None:
-        if processes > MAX_LOCAL_PROCESSES:
-            raise BadInput(
-                f"--num_processes={processes}: the local launcher starts at most "
-                f"{MAX_LOCAL_PROCESSES} workers"
-            )
-    elif processes > 1 and (FLAGS.process_id is None or FLAGS.coordinator_address is None):
-        raise BadInput("a multi-process worker needs --coordinator_address and --process_id")
-    elif processes > 1:
-        from parity.multiprocess import coordinator  # no JAX
-
-        coordinator.check_worker_flags(processes, FLAGS.process_id, FLAGS.coordinator_address)
 
 
 def _outputs(model_name: str) -> Outputs:
@@ -256,13 +226,23 @@ def _run(argv: Sequence[str]) -> int:
     selected = _select_checks()
     if isinstance(selected, str):
         return usage_error(selected)
-    _check_processes(cfg)
+    environments = remote_environments.from_flags(FLAGS)  # validated before JAX
+    if environments is not None:
+        local_only = [c for c in selected if c in remote_environments.LOCAL_ONLY]
+        if local_only:
+            progress(f"not across processes, skipped: {', '.join(local_only)}")
+        selected = [c for c in selected if c not in remote_environments.LOCAL_ONLY]
+    coordinator.check_process_flags(
+        cfg, FLAGS.num_processes, FLAGS.process_id, FLAGS.coordinator_address
+    )
     processes = FLAGS.num_processes
     _check_work(cfg, selected)
     reports = FLAGS.process_id in (None, 0)  # only process 0 writes reports
     outputs = _outputs(cfg.model_name) if reports else None  # creates missing report folders
     if FLAGS.dry_run:
-        print(f"{_plan(cfg, selected)}; memory {memory.estimate(cfg).describe()}")
+        print(
+            f"{plan(cfg, selected, FLAGS.num_processes)}; memory {memory.estimate(cfg).describe()}"
+        )
         return EXIT_PASS
     if processes > 1 and FLAGS.process_id is None:
         from parity.multiprocess import launch  # the local launcher never imports JAX
@@ -288,7 +268,13 @@ def _run(argv: Sequence[str]) -> int:
     from parity.engine.result import EXIT_STATUS, errored
     from parity.reports import report
 
-    pair = DecoderPair(cfg)
+    if environments is not None:
+        from parity.remote import decoder_pair
+
+        pair = decoder_pair.RemoteDecoderPair(cfg, positional[0], positional[1:], environments)
+        progress(f"sides in workers: {decoder_pair.describe(pair)}")
+    else:
+        pair = DecoderPair(cfg)
     if stored is not None:
         from migrate.checkpoints import checkpoint_io, train_state
 
@@ -296,7 +282,7 @@ def _run(argv: Sequence[str]) -> int:
         state = checkpoint_io.restore(FLAGS.checkpoint, spec, pair.mesh, stored)
         pair.use_weights(spec.framework, state.params)
         progress(f"weights from {FLAGS.checkpoint}: {spec.describe()}, step {state.step}")
-    progress(_plan(cfg, selected))
+    progress(plan(cfg, selected, FLAGS.num_processes))
     results, durations = [], []
 
     def run_check(name: str, check: Callable[[], Any]) -> None:
@@ -305,6 +291,8 @@ def _run(argv: Sequence[str]) -> int:
         progress(f"{name} ...")
         try:
             result = check()
+        except errors.WorkerLost:
+            raise  # exit 3 now: every later call would fail the same way
         except Exception as e:  # failed (parity), bad_input or errored: `errored`
             result = errored(name, e)
         durations.append(time.perf_counter() - start)
@@ -320,7 +308,7 @@ def _run(argv: Sequence[str]) -> int:
         else:
             run_check(name, lambda name=name: CHECKS[name](pair))
     drill_down = any(r.name in ("forward", "grads") and r.status == "failed" for r in results)
-    if drill_down and "layers" not in selected:
+    if drill_down and "layers" not in selected and environments is None:
         progress("forward or grads failed: drilling down per layer")
         run_check("layers", lambda: CHECKS["layers"](pair))
 
@@ -328,6 +316,9 @@ def _run(argv: Sequence[str]) -> int:
     if outputs is not None and outputs.golden is not None:
         run_check("golden", lambda: outputs.golden_result(pair, write=main))
     status = max(EXIT_STATUS[r.status] for r in results)
+    if environments is not None:
+        progress(f"{pair.transfer_seconds():.1f}s in calls to the workers")
+        pair.close()
     if main:
         report.render_table(results, cfg.model_name)
         if outputs is not None:

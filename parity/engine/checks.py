@@ -174,6 +174,12 @@ def _returned_state_records(prefix: str, side_plain, compiled_step, params, opt_
     """Each returned parameter and optimizer-state array against the sharding the compiled
     step takes it with; only the mismatches are recorded."""
     del side_plain
+    if hasattr(compiled_step, "returned_mismatches"):  # a worker's step checked them there
+        return [
+            {"tensor": f"{prefix}: {m['path']}", "passed": False, "max_rel": math.inf}
+            | {"returned": m["returned"], "expected": m["expected"]}
+            for m in compiled_step.returned_mismatches
+        ]
     expected = jax.tree.leaves(compiled_step.input_shardings[0][:2])
     returned = [
         (f"{part}/{compare.path_str(path)}", array)

@@ -16,11 +16,41 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from migrate.errors import EXIT_WORKER, BadInput
 
+MAX_LOCAL_PROCESSES = 32  # workers the local launcher starts at most
 RETRY_S = 0.5
 JAX_MARGIN_S = 30  # JAX's own initialization timeout comes this much after the watchdog
+
+
+def check_process_flags(
+    cfg: Any, processes: int, process_id: int | None, coordinator_address: str | None
+) -> None:
+    """`--num_processes`, `--process_id` and `--coordinator_address` against the config's
+    mesh and slices, before anything starts; BadInput (exit 2) names the conflict."""
+    if cfg.num_devices % processes:
+        raise BadInput(
+            f"--num_processes={processes} does not divide the mesh's {cfg.num_devices} devices"
+        )
+    per_process, per_slice = cfg.num_devices // processes, cfg.num_devices // cfg.num_slices
+    if processes > 1 and per_slice % per_process and per_process % per_slice:
+        raise BadInput(
+            f"--num_processes={processes} ({per_process} devices each) and {cfg.num_slices} "
+            f"slices of {per_slice} devices (dcn_data_parallelism x dcn_pipeline_parallelism): "
+            "a process must hold whole slices, or a slice whole processes (hosts)"
+        )
+    if processes > 1 and process_id is None and coordinator_address is None:
+        if processes > MAX_LOCAL_PROCESSES:
+            raise BadInput(
+                f"--num_processes={processes}: the local launcher starts at most "
+                f"{MAX_LOCAL_PROCESSES} workers"
+            )
+    elif processes > 1 and (process_id is None or coordinator_address is None):
+        raise BadInput("a multi-process worker needs --coordinator_address and --process_id")
+    elif processes > 1:
+        check_worker_flags(processes, process_id, coordinator_address)
 
 
 def parse_address(address: str) -> tuple[str, int]:

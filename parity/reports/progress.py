@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 def progress(message: str) -> None:
@@ -32,3 +33,24 @@ class StepProgress:
         if due or not passed:
             self.last_print = now
             progress(f"train step {step + 1}/{self.steps}: {'ok' if passed else 'DIVERGED'}")
+
+
+def plan(cfg: Any, selected: Sequence[str], processes: int) -> str:
+    """The run's plan, in one line: model, devices (and slices), processes, schedule, checks."""
+    return (
+        f"{cfg.model_name}: {cfg.num_devices} devices{_slices(cfg)} in "
+        f"{processes} process(es), "
+        f"S={cfg.num_stages} M={cfg.num_microbatches} R={cfg.num_repeats} "
+        f"L={cfg.layers_per_stage}; checks: {', '.join(selected)}"
+    )
+
+
+def _slices(cfg: Any) -> str:
+    """The slices a multi-slice mesh spans, as the plan line says them."""
+    if cfg.num_slices == 1:
+        return ""
+    return (
+        f" ({cfg.num_slices} slices of {cfg.num_devices // cfg.num_slices}: "
+        f"dcn_data_parallelism={cfg.dcn_data_parallelism} x "
+        f"dcn_pipeline_parallelism={cfg.dcn_pipeline_parallelism})"
+    )

@@ -1,0 +1,199 @@
+"""A weight map as data: how the leaves of one tree become the leaves of another (names,
+stacking axes, transposes, scales), declared in one table and applied strictly both ways.
+
+    MAP = WeightMap("maxtext 0.2.3 -> 0.2.5", (
+        Entry("params/decoder/layers/{name}/kernel", "model/decoder/layers/{name}/kernel"),
+        Entry("params/token_embedder/embedding", "model/token_embedder/embedding"),
+        Entry("q/kernel", "query/kernel", scale=4.0),           # a convention folded in
+        Entry("mlp/wi", "mlp/wi_0", moveaxis=(1, 0)),            # another stacking axis
+    ))
+    target = MAP.forward(source_flat)            # every source leaf used exactly once
+    source = MAP.backward(target_flat)           # the inverse, as strict
+
+A pattern is a `/`-separated path whose `{field}` segments match one path segment each (and
+`{field...}` the rest of the path); what they match fills the same fields of the other side.
+`moveaxis=(a, b)` moves axis `a` to `b` on the way forward (and back on the way back);
+`transpose` permutes axes; `scale` multiplies on the way forward and divides on the way
+back: bit-exact both ways only for a power of two, which `exact` reports. Of the rows that match
+a leaf, the most specific (most literal segments) applies. A leaf no row matches, two equally
+specific rows for one leaf, or two leaves onto one target is a `WeightMapError` naming
+the paths: nothing is ever dropped silently. Works on host (numpy) arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from migrate.checkpoints.convert import ConversionError
+
+Path = tuple[str, ...]
+_FIELD = re.compile(r"^\{(\w+)(\.\.\.)?\}$")
+
+
+class WeightMapError(ConversionError):
+    """A tree the map does not cover exactly: the paths that did not fit, and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One row of a map: `source` pattern -> `target` pattern, and the transform between."""
+
+    source: str
+    target: str
+    moveaxis: tuple[int, int] | None = None
+    transpose: tuple[int, ...] | None = None
+    scale: float | None = None
+    note: str = ""  # why the row is there (a convention, a rename), shown in reports
+
+    def __post_init__(self) -> None:
+        fields = [set(_fields(p)) for p in (self.source, self.target)]
+        if fields[0] != fields[1]:
+            raise ValueError(f"{self.source} -> {self.target}: fields differ {fields}")
+
+    @property
+    def exact(self) -> bool:
+        """Bit-exact both ways: no scale, or a power of two."""
+        return self.scale is None or math.frexp(self.scale)[0] == 0.5
+
+    def forward_array(self, array: Any) -> Any:
+        out = array
+        if self.moveaxis is not None:
+            out = np.moveaxis(out, *self.moveaxis)
+        if self.transpose is not None:
+            out = np.transpose(out, self.transpose)
+        if self.scale is not None:
+            out = (out * np.asarray(self.scale, dtype=out.dtype)).astype(out.dtype)
+        return out
+
+    def backward_array(self, array: Any) -> Any:
+        out = array
+        if self.scale is not None:
+            out = (out / np.asarray(self.scale, dtype=out.dtype)).astype(out.dtype)
+        if self.transpose is not None:
+            out = np.transpose(out, np.argsort(self.transpose))
+        if self.moveaxis is not None:
+            out = np.moveaxis(out, self.moveaxis[1], self.moveaxis[0])
+        return out
+
+
+def _literals(pattern: str) -> int:
+    """How specific a pattern is: its literal segments (the most specific matching row wins)."""
+    return sum(1 for part in pattern.split("/") if not _FIELD.match(part))
+
+
+def _fields(pattern: str) -> list[str]:
+    return [m.group(1) for part in pattern.split("/") if (m := _FIELD.match(part))]
+
+
+def match(pattern: str, path: Path) -> dict[str, str] | None:
+    """The fields of `pattern` that `path` fills, or None when it does not match."""
+    parts = pattern.split("/")
+    found: dict[str, str] = {}
+    for i, part in enumerate(parts):
+        field = _FIELD.match(part)
+        if field and field.group(2):  # `{rest...}`: the remainder, at least one segment
+            if i != len(parts) - 1 or i >= len(path):
+                return None
+            found[field.group(1)] = "/".join(path[i:])
+            return found
+        if i >= len(path):
+            return None
+        if field:
+            found[field.group(1)] = path[i]
+        elif part != path[i]:
+            return None
+    return found if len(parts) == len(path) else None
+
+
+def fill(pattern: str, fields: Mapping[str, str]) -> Path:
+    out: list[str] = []
+    for part in pattern.split("/"):
+        field = _FIELD.match(part)
+        out.extend(fields[field.group(1)].split("/") if field else [part])
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightMap:
+    """A named table of entries, applied strictly in both directions."""
+
+    name: str
+    entries: Sequence[Entry]
+
+    def _apply(self, flat: Mapping[Path, Any], forward: bool) -> dict[Path, Any]:
+        out: dict[Path, Any] = {}
+        origin: dict[Path, Path] = {}
+        unmatched, ambiguous, collisions = [], [], []
+        for path, array in flat.items():
+            hits = []
+            for entry in self.entries:
+                fields = match(entry.source if forward else entry.target, path)
+                if fields is not None:
+                    hits.append((entry, fields))
+            if not hits:
+                unmatched.append("/".join(path))
+                continue
+            best = max(_literals(e.source if forward else e.target) for e, _ in hits)
+            hits = [h for h in hits if _literals(h[0].source if forward else h[0].target) == best]
+            if len(hits) > 1:
+                rows = ", ".join(e.source if forward else e.target for e, _ in hits)
+                ambiguous.append(f"{'/'.join(path)} ({rows})")
+                continue
+            entry, fields = hits[0]
+            target = fill(entry.target if forward else entry.source, fields)
+            if target in out:
+                collisions.append(
+                    f"{'/'.join(origin[target])} and {'/'.join(path)} -> {'/'.join(target)}"
+                )
+                continue
+            origin[target] = path
+            out[target] = entry.forward_array(array) if forward else entry.backward_array(array)
+        problems = []
+        if unmatched:
+            problems.append(f"no entry for {len(unmatched)} leaves: {', '.join(unmatched[:20])}")
+        if ambiguous:
+            problems.append(f"more than one entry for: {'; '.join(ambiguous[:20])}")
+        if collisions:
+            problems.append(f"two leaves onto one: {'; '.join(collisions[:20])}")
+        if problems:
+            way = "forward" if forward else "backward"
+            raise WeightMapError(f"weight map {self.name!r} ({way})", problems)
+        return out
+
+    def forward(self, flat: Mapping[Path, Any]) -> dict[Path, Any]:
+        """Source leaves (flat by path) -> target leaves; every leaf used exactly once."""
+        return self._apply(flat, forward=True)
+
+    def backward(self, flat: Mapping[Path, Any]) -> dict[Path, Any]:
+        """Target leaves -> source leaves, the inverse of `forward`."""
+        return self._apply(flat, forward=False)
+
+    def check_target(self, produced: Mapping[Path, Any], expected: Mapping[Path, Any]) -> None:
+        """`produced` against a template of the target (paths and shapes): every expected leaf
+        produced, no other, each of the expected shape and dtype."""
+        missing = sorted("/".join(p) for p in set(expected) - set(produced))
+        extra = sorted("/".join(p) for p in set(produced) - set(expected))
+        wrong = [
+            f"{'/'.join(p)}: {tuple(produced[p].shape)} {produced[p].dtype} where "
+            f"{tuple(expected[p].shape)} {expected[p].dtype} is expected"
+            for p in sorted(set(produced) & set(expected))
+            if tuple(produced[p].shape) != tuple(expected[p].shape)
+            or produced[p].dtype != expected[p].dtype
+        ]
+        problems = [
+            *([f"missing: {', '.join(missing[:20])}"] if missing else []),
+            *([f"not in the target: {', '.join(extra[:20])}"] if extra else []),
+            *wrong[:20],
+        ]
+        if problems:
+            raise WeightMapError(f"weight map {self.name!r} (target)", problems)
+
+    @property
+    def exact(self) -> bool:
+        return all(e.exact for e in self.entries)

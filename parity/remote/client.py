@@ -1,0 +1,179 @@
+"""The harness's end of a worker: start it with its interpreter, call it with a time bound, and
+turn its death, a hang or a broken reply into `WorkerLost` (exit 3) naming the worker.
+
+    worker = Worker(python="/path/to/other/venv/bin/python", pythonpath=[checkout], name="nnx")
+    info = worker.start("parity.remote.twins:make", options, batch)
+    reply = worker.call("own_weights")
+
+Every call waits at most `timeout_s` (the first, which builds the side, `start_timeout_s`);
+past that the worker is killed. What the worker prints on stderr is kept (its last lines
+name a crash) and shown under `--verbose`-like `echo`.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from migrate.errors import BadInput, WorkerLost
+from parity.remote import protocol
+
+REPO = Path(__file__).resolve().parent.parent.parent
+STDERR_LINES = 200
+
+
+class WorkerError(Exception):
+    """An exception the worker reported: `where` is `model` (the side's own code) or `worker`
+    (the server), `remote_type` and `detail` the worker's exception and traceback."""
+
+    def __init__(self, name: str, error: dict[str, Any]) -> None:
+        self.worker = name
+        self.where = error.get("where", "worker")
+        self.remote_type = str(error.get("type", "Exception"))
+        self.remote_module = str(error.get("module", ""))
+        self.detail = str(error.get("detail", ""))
+        super().__init__(str(error.get("message", "")))
+
+
+def check_interpreter(python: str) -> str:
+    """`python` as an executable path, or BadInput (exit 2) saying what it is instead."""
+    found = shutil.which(python) if os.sep not in python else python
+    if found is None or not os.path.exists(found):
+        raise BadInput(f"worker interpreter {python!r}: not found")
+    if os.path.isdir(found) or not os.access(found, os.X_OK):
+        raise BadInput(f"worker interpreter {python!r}: not an executable file")
+    return found
+
+
+class Worker:
+    """One worker process serving one side (`parity.remote.worker`)."""
+
+    def __init__(
+        self,
+        python: str,
+        name: str,
+        pythonpath: Sequence[str | Path] = (),
+        env: dict[str, str] | None = None,
+        timeout_s: float = 600.0,
+        start_timeout_s: float = 900.0,
+    ) -> None:
+        self.python = check_interpreter(python)
+        self.name, self.timeout_s, self.start_timeout_s = name, timeout_s, start_timeout_s
+        self.directory = Path(tempfile.mkdtemp(prefix=f"parity-worker-{name}-"))
+        paths = [str(Path(p).resolve()) for p in (*pythonpath, REPO)]
+        environment = {**os.environ, **(env or {})}
+        environment["PYTHONPATH"] = os.pathsep.join(paths)
+        environment.setdefault("JAX_PLATFORMS", "cpu")
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
+        self.replies: queue.Queue[str | None] = queue.Queue()
+        self.info: dict[str, Any] = {}  # what `start` answered: versions, devices
+        self.seconds_in_calls = 0.0
+        self.calls = 0
+        try:
+            self.process = subprocess.Popen(
+                [self.python, "-u", "-m", "parity.remote.worker", str(self.directory)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=environment,
+            )
+        except OSError as e:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise BadInput(f"worker interpreter {python!r}: cannot start it: {e}") from None
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+        ready = self._reply(self.start_timeout_s, "starting")
+        if ready.get("ready", {}).get("version") != protocol.VERSION:
+            self.close()
+            raise WorkerLost(f"worker {name}: speaks another protocol: {ready}")
+
+    # -------------------------------------------------------------- reading
+
+    def _read_stdout(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.replies.put(line)
+        self.replies.put(None)
+
+    def _read_stderr(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.stderr_tail.append(line.rstrip("\n"))
+
+    def _lost(self, why: str) -> WorkerLost:
+        self.close()
+        tail = [line for line in self.stderr_tail if line.strip()][-12:]
+        shown = ("; its last words: " + " | ".join(tail)[-1500:]) if tail else ""
+        return WorkerLost(f"worker {self.name} ({self.python}): {why}{shown}")
+
+    def _reply(self, timeout_s: float, doing: str) -> dict[str, Any]:
+        try:
+            line = self.replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise self._lost(f"no answer within {timeout_s:.0f}s while {doing}") from None
+        if line is None:
+            self.process.wait(timeout=30)
+            code = self.process.returncode
+            how = f"killed by signal {-code}" if code and code < 0 else f"exited with {code}"
+            raise self._lost(f"{how} while {doing}")
+        try:
+            return protocol.decode(line)
+        except protocol.ProtocolError as e:
+            raise self._lost(str(e)) from None
+
+    # -------------------------------------------------------------- calls
+
+    def call(self, op: str, timeout_s: float | None = None, **args: Any) -> dict[str, Any]:
+        """One request, its reply's `ok` part; `WorkerError` for an exception it reported."""
+        if self.process.poll() is not None:
+            raise self._lost(f"exited with {self.process.returncode} before {op}")
+        start = time.perf_counter()
+        try:
+            assert self.process.stdin is not None
+            protocol.send(self.process.stdin, {"op": op, **args})
+        except (BrokenPipeError, OSError):
+            raise self._lost(f"stopped reading requests ({op})") from None
+        reply = self._reply(self.timeout_s if timeout_s is None else timeout_s, op)
+        self.seconds_in_calls += time.perf_counter() - start
+        self.calls += 1
+        if "error" in reply:
+            raise WorkerError(self.name, reply["error"])
+        return reply.get("ok", {})
+
+    def start(self, factory: str, options: dict[str, Any], batch: Any) -> dict[str, Any]:
+        """Build the worker's side: `factory(options, batch)` in the worker's environment."""
+        manifest = self.send_tree({"batch": batch})
+        return self.call(
+            "start", self.start_timeout_s, factory=factory, options=options, batch=manifest
+        )
+
+    def send_tree(self, tree: Any, names: dict | None = None) -> dict[str, Any]:
+        return protocol.write_tree(self.directory, protocol.flatten(tree).items(), names)
+
+    def receive_tree(self, manifest: dict[str, Any]) -> tuple[dict, dict]:
+        return protocol.read_tree(self.directory, manifest)
+
+    def close(self) -> None:
+        process = getattr(self, "process", None)
+        if process is not None and process.poll() is None:
+            try:
+                assert process.stdin is not None
+                protocol.send(process.stdin, {"op": "quit"})
+                process.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired, ValueError):
+                process.kill()
+                process.wait(timeout=30)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __del__(self) -> None:
+        self.close()

@@ -1,0 +1,80 @@
+"""The decoder twins of a config with each side in its own worker: `parity CONFIG
+--linen_python=... --nnx_python=...` (and `--linen_path`, `--nnx_path`: another checkout).
+
+The gate for "the model before my change" (one environment or checkout) against "after"
+(another): both sides run the checkout and interpreter given for them, the harness only
+compares. The engine's checks run as for the in-process pair; those that call the twins'
+functions directly (pipeline against reference, bubbles, the drill-down, compile and efficiency
+from abstract shapes) are not available across processes and are reported as skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from migrate.config.contract import Config
+from parity.decoder.session import DecoderPair
+from parity.multiprocess import distributed
+from parity.remote.client import Worker
+from parity.remote.environments import Environment
+from parity.remote.side import RemoteSide
+
+FACTORY = "parity.remote.twins:make"
+
+
+class RemoteDecoderPair(DecoderPair):
+    """`DecoderPair` whose two sides are `RemoteSide`s, each in its environment's worker."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        config_path: str | Path,
+        overrides: Sequence[str],
+        environments: dict[str, Environment],
+    ) -> None:
+        self.config_path, self.overrides = str(config_path), list(overrides)
+        self.environments = environments
+        self.workers: dict[str, Worker] = {}
+        super().__init__(cfg)
+
+    def _side(self, framework: str, cfg: Config | None = None, **variant: Any) -> RemoteSide:
+        if cfg is not None or variant:
+            raise NotImplementedError("a variant of a twin runs in this process only")
+        env = self.environments[framework]
+        paths = [*([env.path] if env.path else []), *env.extra_paths]
+        worker = Worker(env.python, framework, paths, timeout_s=env.timeout_s)
+        self.workers[framework] = worker
+        options = {
+            "config": str(Path(self.config_path).resolve()),
+            "overrides": self.overrides,
+            "framework": framework,
+            "patch": env.patch,
+        }
+        worker.info = worker.start(FACTORY, options, distributed.to_host(self.train_batch))
+        return RemoteSide(worker, framework)
+
+    def extra_roundtrip_records(self, source: str) -> list[dict]:
+        return []  # the layout round trip runs the converters of this process, not the sides'
+
+    def transfer_seconds(self) -> float:
+        """Seconds spent in calls to the workers (their work and the arrays' travel)."""
+        return sum(w.seconds_in_calls for w in self.workers.values())
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.close()
+
+
+def describe(pair: RemoteDecoderPair) -> str:
+    """Each side's interpreter, checkout and versions, for the progress line."""
+    parts = []
+    for side, worker in pair.workers.items():
+        info, env = worker.info, pair.environments[side]
+        where = f", checkout {env.path}" if env.path else ""
+        parts.append(
+            f"{side}: {worker.python} (python {info.get('python')}, jax {info.get('jax')}, "
+            f"flax {info.get('flax')}){where}"
+        )
+    return "; ".join(parts)

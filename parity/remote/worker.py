@@ -1,0 +1,314 @@
+"""The worker: serves one `Side`, built in this process's environment, to a harness in another.
+
+    python -m parity.remote.worker DIRECTORY      (DIRECTORY: where both exchange `.npy` files)
+
+The first request, `start`, names the FACTORY (`module:function`), called with its `options`
+and the pair's batch; it returns `(side, place_batch)`: the Side to serve and a function that
+puts a host batch where the side's programs want it.
+
+Requests arrive on stdin, one JSON object per line: `{"op": ..., ...}`; each gets exactly one
+reply line on stdout: `{"ok": {...}}` or `{"error": {"type", "module", "message", "detail",
+"where"}}`, `where` being `model` for an exception of the side's own code (its model, its
+converters) and `worker` for one of this server. Anything else the side prints goes to stderr
+(stdout is the protocol's). Native weights, trainers and optimizer states stay here, under
+integer handles; only the common form, plain trees and results travel.
+
+Imports nothing of the project at the top but `parity.remote.protocol` (stdlib and numpy): the
+factory brings what its side needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from parity.remote import protocol
+
+
+class _ModelError(Exception):
+    """An exception of the served side's own code, carried to the reply."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _model(call: Callable[[], Any]) -> Any:
+    try:
+        return call()
+    except Exception as e:
+        raise _ModelError(e) from e
+
+
+def _path_part(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+class Server:
+    """One side, its handles, and the ops the harness may call."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.side: Any = None
+        self.place_batch: Callable[[Any], Any] = lambda batch: batch
+        self.held: dict[int, Any] = {}
+        self.next_handle = 0
+
+    # -------------------------------------------------------------- trees
+
+    def hold(self, value: Any) -> int:
+        self.next_handle += 1
+        self.held[self.next_handle] = value
+        return self.next_handle
+
+    def send_tree(self, tree: Any) -> dict[str, Any]:
+        """Every leaf to a file: `LogicallyPartitioned` boxes unboxed (their names kept by
+        path), each array's placement recorded."""
+        import flax.linen as nn
+        import jax
+
+        names: dict[tuple[str, ...], tuple] = {}
+        placements: dict[tuple[str, ...], dict | None] = {}
+        leaves = []
+        is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]:
+            key = tuple(_path_part(p) for p in path)
+            if is_box(leaf):
+                names[key] = tuple(leaf.names)
+                leaf = leaf.value
+            placements[key] = _one_sharding(getattr(leaf, "sharding", None))
+            leaves.append((key, jax.device_get(leaf)))
+        return protocol.write_tree(self.directory, leaves, names, placements)
+
+    def boxed(self, manifest: dict[str, Any]) -> Any:
+        """A manifest back as a tree, leaves with logical names boxed as Linen's variables."""
+        import flax.linen as nn
+
+        arrays, entries = protocol.read_tree(self.directory, manifest)
+        flat = {}
+        for path, array in arrays.items():
+            names = entries[path]["names"]
+            flat[path] = array if names is None else nn.LogicallyPartitioned(array, names)
+        return protocol.nest(flat)
+
+    def batch(self, manifest: dict[str, Any]) -> Any:
+        tree = protocol.nest(protocol.read_tree(self.directory, manifest)[0])
+        return self.place_batch(tree.get("batch", tree))
+
+    # -------------------------------------------------------------- ops
+
+    def op_start(self, factory: str, options: dict, batch: dict) -> dict:
+        module_name, _, function = factory.partition(":")
+        make = getattr(importlib.import_module(module_name), function)
+        host_batch = protocol.nest(protocol.read_tree(self.directory, batch)[0])
+        self.side, self.place_batch = _model(lambda: make(options, host_batch.get("batch")))
+        import flax
+        import jax
+
+        return {
+            "framework": self.side.framework,
+            "python": sys.version.split()[0],
+            "jax": jax.__version__,
+            "flax": flax.__version__,
+            "devices": jax.device_count(),
+        }
+
+    def op_own_weights(self) -> dict:
+        weights = _model(self.side.own_weights)
+        return {"handle": self.hold(weights)}
+
+    def op_to_common(self, handle: int) -> dict:
+        common = _model(lambda: self.side.to_common(self.held[handle]))
+        return {"tree": self.send_tree(common)}
+
+    def op_from_common(self, tree: dict) -> dict:
+        variables = self.boxed(tree)
+        weights = _model(lambda: self.side.from_common(variables))
+        return {"handle": self.hold(weights)}
+
+    def op_plain(self, handle: int) -> dict:
+        return {"tree": self.send_tree(_model(lambda: self.side.plain(self.held[handle])))}
+
+    def op_run(self, handle: int) -> dict:
+        run = _model(lambda: self.side.run(self.held[handle]))
+        parts = {k: getattr(run, k) for k in ("loss", "outputs", "grads", "grad_norm", "aux_loss")}
+        present = {k: v for k, v in parts.items() if v is not None}
+        return {"tree": self.send_tree(present), "parts": sorted(present)}
+
+    def op_program(self, handle: int) -> dict:
+        weights = self.held[handle]
+        lowered = _model(lambda: self.side.lowered(weights))
+        compiled = _model(lambda: self.side.compiled(weights))
+        try:
+            lowered_text = lowered.as_text(dialect="hlo", debug_info=True)
+        except TypeError:  # an older jax without the keywords
+            lowered_text = lowered.as_text()
+        memory = compiled.memory_analysis()
+        memory_fields = {
+            name: int(getattr(memory, name))
+            for name in dir(memory)
+            if name.endswith("_in_bytes") and isinstance(getattr(memory, name), int)
+        }
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) and cost else cost or {}
+        shardings = {
+            label: _sharding_record(actual, ndim, declared)
+            for label, (actual, ndim, declared) in self.side.program_shardings(compiled).items()
+        }
+        return {
+            "compiled_text": compiled.as_text(),
+            "lowered_text": lowered_text,
+            "memory": memory_fields,
+            "cost": {k: float(v) for k, v in cost.items() if isinstance(v, int | float)},
+            "shardings": shardings,
+        }
+
+    def op_trainer(self, handle: int) -> dict:
+        trainer = _model(lambda: self.side.trainer(self.held[handle]))
+        if trainer is None:
+            return {"trainer": None}
+        return {
+            "trainer": self.hold(trainer),
+            "params": self.hold(trainer.params),
+            "opt_state": self.hold(trainer.opt_state),
+        }
+
+    def op_step(self, trainer: int, params: int, opt_state: int, batch: dict) -> dict:
+        import jax
+
+        step = self.held[trainer].step
+        placed = self.batch(batch)
+        new_params, new_opt, metrics = _model(
+            lambda: step(self.held[params], self.held[opt_state], placed)
+        )
+        mismatches = _returned_sharding_mismatches(step, new_params, new_opt)
+        metrics = jax.device_get(metrics)
+        return {
+            "params": self.hold(new_params),
+            "opt_state": self.hold(new_opt),
+            "metrics": self.send_tree(dict(metrics)),
+            "mismatches": mismatches,
+        }
+
+    def op_evaluate(self, trainer: int, params: int, batch: dict) -> dict:
+        placed = self.batch(batch)
+        loss = _model(lambda: self.held[trainer].evaluate(self.held[params], placed))
+        return {"tree": self.send_tree({"loss": loss})}
+
+    def op_drop(self, handles: list[int]) -> dict:
+        for handle in handles:
+            self.held.pop(handle, None)
+        return {}
+
+
+def _spec(spec: Any) -> list:
+    return [list(p) if isinstance(p, tuple) else p for p in spec]
+
+
+def _one_sharding(sharding: Any) -> dict | None:
+    """A sharding as JSON: a NamedSharding's spec and mesh (axis names, shape, device ids)."""
+    if sharding is None:
+        return None
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not hasattr(sharding, "spec"):
+        return {"other": str(sharding)}
+    return {
+        "spec": _spec(sharding.spec),
+        "axis_names": list(mesh.axis_names),
+        "shape": [int(mesh.shape[a]) for a in mesh.axis_names],
+        "device_ids": [int(d.id) for d in mesh.devices.flat],
+    }
+
+
+def _sharding_record(actual: Any, ndim: int, declared: Any) -> dict:
+    return {
+        "actual": _one_sharding(actual),
+        "ndim": int(ndim),
+        "declared": _one_sharding(declared),
+    }
+
+
+def _returned_sharding_mismatches(step: Any, params: Any, opt_state: Any) -> list[dict]:
+    """Each returned array whose sharding is not the one the compiled step takes it with."""
+    import jax
+
+    shardings = getattr(step, "input_shardings", None)
+    if shardings is None:
+        return []
+    expected = jax.tree.leaves(shardings[0][:2])
+    returned = [
+        (f"{part}/{'/'.join(_path_part(p) for p in path)}", array)
+        for part, tree in (("params", params), ("opt_state", opt_state))
+        for path, array in jax.tree_util.tree_flatten_with_path(tree)[0]
+    ]
+    out = []
+    for (path, array), want in zip(returned, expected, strict=False):
+        have = getattr(array, "sharding", None)
+        if have is None or have.is_equivalent_to(want, array.ndim):
+            continue
+        out.append(
+            {
+                "path": path,
+                "returned": str(getattr(have, "spec", have)),
+                "expected": str(getattr(want, "spec", want)),
+            }
+        )
+    return out
+
+
+def _error_reply(error: BaseException, where: str) -> dict:
+    inner = error.error if isinstance(error, _ModelError) else error
+    return {
+        "error": {
+            "type": type(inner).__name__,
+            "module": type(inner).__module__,
+            "message": str(inner)[:20_000],
+            "detail": "".join(traceback.format_exception(inner))[-20_000:],
+            "where": where,
+        }
+    }
+
+
+def serve(server: Server, requests: io.TextIOBase, replies: io.TextIOBase) -> None:
+    for line in requests:
+        if not line.strip():
+            continue
+        try:
+            message = protocol.decode(line)
+            op = message.pop("op")
+            if op == "quit":
+                protocol.send(replies, {"ok": {}})
+                return
+            handler = getattr(server, f"op_{op}", None)
+            if handler is None:
+                raise protocol.ProtocolError(f"unknown op {op!r}")
+            with contextlib.redirect_stdout(sys.stderr):  # stdout carries replies only
+                reply = {"ok": handler(**message)}
+        except _ModelError as e:
+            reply = _error_reply(e, "model")
+        except Exception as e:
+            reply = _error_reply(e, "worker")
+        protocol.send(replies, reply)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2:
+        print("usage: python -m parity.remote.worker DIRECTORY", file=sys.stderr)
+        raise SystemExit(2)
+    replies = sys.stdout
+    sys.stdout = sys.stderr  # a stray print must not corrupt the protocol
+    protocol.send(replies, {"ready": {"version": protocol.VERSION}})
+    serve(Server(Path(argv[1])), sys.stdin, replies)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

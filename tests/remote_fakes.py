@@ -1,0 +1,59 @@
+"""Worker factories for tests/test_remote.py: sides that misbehave on purpose (hang, die,
+raise, print), cheap to build (no model compiles). Imported by the worker process."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+
+class FakeSide:
+    """A Side-like object whose `run` does what `options['run']` says."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.options = options
+        self.framework = options.get("framework", "nnx")
+
+    def own_weights(self) -> dict:
+        return {"params": {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}}
+
+    def to_common(self, weights: dict) -> dict:
+        return weights
+
+    def from_common(self, variables: dict) -> dict:
+        return variables
+
+    def plain(self, tree: Any) -> Any:
+        return tree
+
+    def run(self, weights: dict) -> Any:
+        behaviour = self.options.get("run", "ok")
+        if behaviour == "hang":
+            time.sleep(3600)
+        if behaviour == "die":
+            os._exit(7)
+        if behaviour == "raise":
+            raise ValueError("the model's own error")
+        if behaviour == "print":
+            print("chatter on stdout must not break the protocol")
+        from parity.engine.side import Run
+
+        w = weights["params"]["w"]
+        return Run(loss=np.float32(w.sum()), outputs=w * 2, grads={"params": {"w": w}})
+
+
+def make(options: dict[str, Any], batch: Any) -> tuple[FakeSide, Any]:
+    if options.get("start") == "raise":
+        raise RuntimeError("cannot build the side")
+    return FakeSide(options), lambda b: b
+
+
+def bug_rmsnorm_epsilon() -> None:
+    """tests/test_injected_bugs.py's RMSNorm epsilon bug, patched in the worker's NNX code."""
+    import pytest
+    from test_injected_bugs import wrong_rmsnorm_epsilon
+
+    wrong_rmsnorm_epsilon(pytest.MonkeyPatch())

@@ -1,0 +1,178 @@
+"""A Side in another Python environment (`parity.remote`): the wire format, a worker that
+dies, hangs, raises or chatters, bad environments refused before JAX, and the decoder twins
+gated with each side in its own worker process (the engine's checks, unchanged), an injected
+bug in the NNX worker caught where the in-process gate catches it."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hostile import REPO, TINY, refused, run
+
+from migrate import errors
+from migrate.config.loading import load_config
+from parity.engine.result import errored
+from parity.engine.side import SideError
+from parity.remote import protocol
+from parity.remote.client import Worker
+from parity.remote.side import RemoteSide
+
+TESTS = str(Path(__file__).resolve().parent)
+FAKES = "remote_fakes:make"
+
+
+def fake_worker(timeout_s: float = 60, **options) -> Worker:
+    worker = Worker(sys.executable, options.get("framework", "nnx"), [TESTS], timeout_s=timeout_s)
+    worker.start(FAKES, options, {"x": np.zeros(2, np.int32)})
+    return worker
+
+
+def test_a_tree_travels_bit_exact_with_its_names_and_placements(tmp_path):
+    """Every dtype (bfloat16 as its bits), shapes, logical names and placements by path."""
+    leaves = {
+        ("params", "a"): np.arange(6, dtype=np.float32).reshape(2, 3) / 7,
+        ("params", "b"): (np.arange(4) / 3).astype(ml_dtypes.bfloat16),
+        ("opt", "0", "count"): np.array(3, np.int32),
+        ("mask",): np.array([True, False]),
+    }
+    names = {("params", "a"): ("embed", None)}
+    placements = {("params", "a"): {"spec": [None, "fsdp"], "axis_names": ["fsdp"]}}
+    manifest = protocol.write_tree(tmp_path, leaves.items(), names, placements)
+    json.dumps(manifest)  # the manifest itself is JSON
+    arrays, entries = protocol.read_tree(tmp_path, manifest)
+    assert list(arrays) == list(leaves)
+    for path, array in leaves.items():
+        assert arrays[path].dtype == array.dtype and arrays[path].shape == array.shape
+        assert arrays[path].tobytes() == array.tobytes()
+    assert entries[("params", "a")] == {
+        "names": ("embed", None),
+        "placement": placements[("params", "a")],
+    }
+    assert entries[("mask",)]["names"] is None
+    assert list(tmp_path.iterdir()) == []  # read files are removed
+    assert protocol.nest(protocol.flatten({"a": {"b": 1, "c": [2, 3]}})) == {
+        "a": {"b": 1, "c": {"0": 2, "1": 3}}
+    }
+
+
+def test_a_worker_serves_its_side_and_stdout_chatter_does_not_break_it():
+    worker = fake_worker(run="print")
+    try:
+        side = RemoteSide(worker, "nnx")
+        weights = side.own_weights()
+        assert side.to_common(weights)["params"]["w"].tolist() == [[0, 1, 2], [3, 4, 5]]
+        result = side.run(weights)
+        assert float(result.loss) == 15.0 and result.outputs.tolist() == [[0, 2, 4], [6, 8, 10]]
+        assert "chatter on stdout" in "\n".join(worker.stderr_tail)
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize(("framework", "status"), [("nnx", "failed"), ("linen", "bad_input")])
+def test_an_error_of_the_model_code_keeps_its_meaning(framework, status):
+    """Raised by the NNX side's model: a parity failure; by the Linen side's: bad input; the
+    message names the worker's exception type and the traceback is the worker's."""
+    worker = fake_worker(run="raise", framework=framework)
+    try:
+        side = RemoteSide(worker, framework)
+        with pytest.raises(SideError) as raised:
+            side.run(side.own_weights())
+        assert "raised ValueError in run: the model's own error" in str(raised.value)
+        assert "remote_fakes.py" in raised.value.detail
+        assert errored("forward", raised.value).status == status
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("behaviour", ["die", "hang"])
+def test_a_worker_that_dies_or_hangs_is_lost_in_bounded_time(behaviour):
+    worker = fake_worker(timeout_s=3, run=behaviour)
+    side = RemoteSide(worker, "nnx")
+    weights = side.own_weights()
+    start = time.monotonic()
+    with pytest.raises(errors.WorkerLost) as lost:
+        side.run(weights)
+    assert time.monotonic() - start < 15
+    why = "exited with 7" if behaviour == "die" else "no answer within 3s"
+    assert f"worker nnx ({sys.executable}): {why} while run" in str(lost.value)
+    assert errors.classify(lost.value)[0] == errors.EXIT_WORKER
+    assert worker.process.poll() is not None  # killed, not left behind
+
+
+def test_a_side_that_cannot_be_built_is_an_error_of_its_code():
+    worker = Worker(sys.executable, "linen", [TESTS], timeout_s=60)
+    try:
+        with pytest.raises(Exception, match="cannot build the side"):
+            worker.start(FAKES, {"start": "raise"}, {})
+    finally:
+        worker.close()
+
+
+BAD_ENVIRONMENTS = [
+    (["--nnx_python=/no/such/python"], "worker interpreter '/no/such/python': not found"),
+    ([f"--linen_python={REPO}"], "not an executable file"),
+    ([f"--nnx_path={REPO / 'docs'}"], "not a checkout of this project with workers"),
+    (["--nnx_python=python3", "--num_processes=2"], "a remote pair runs in one process"),
+]
+
+
+@pytest.mark.parametrize(("flags", "fragment"), BAD_ENVIRONMENTS)
+def test_a_bad_environment_is_refused_before_jax(flags, fragment):
+    start = time.monotonic()
+    refused(run("parity", TINY, *flags, timeout=30), errors.EXIT_USAGE, fragment)
+    assert time.monotonic() - start < 15
+
+
+ACROSS = ("roundtrip", "init", "forward", "grads", "sharding", "program", "train")
+
+
+@pytest.mark.slow
+def test_the_twins_in_two_workers_pass_the_engine_checks(tmp_path):
+    """`parity CONFIG --linen_python=... --nnx_python=...`: each side in its own worker (here
+    this interpreter: the mechanism is the same for another one), every engine check passes
+    bit-exact, the local-only checks are said to be skipped, and the report is written."""
+    report = tmp_path / "report.json"
+    result = run(
+        "parity", TINY, f"--nnx_python={sys.executable}", f"--linen_python={sys.executable}",
+        "--checks=all", "--steps=2", f"--json={report}", timeout=900,
+    )  # fmt: skip
+    err = result.stderr.decode()
+    assert result.returncode == 0, err[-3000:]
+    assert "not across processes, skipped: pipeline, bubbles, layers, compile, efficiency" in err
+    assert "s in calls to the workers" in err
+    checks = {c["name"]: c for c in json.loads(report.read_text())["checks"]}
+    assert list(checks) == list(ACROSS)
+    assert all(c["passed"] for c in checks.values())
+
+
+@pytest.mark.slow
+def test_a_bug_injected_in_the_nnx_worker_is_caught_where_the_local_gate_catches_it():
+    """The RMSNorm epsilon bug of tests/test_injected_bugs.py, patched at run time in the NNX
+    worker (never in the code): forward and grads fail, naming the logits and the first
+    norm's gradients, while the Linen worker is untouched."""
+    from parity.engine import checks
+    from parity.remote.decoder_pair import RemoteDecoderPair
+    from parity.remote.environments import Environment
+
+    cfg = load_config(TINY)
+    environments = {
+        "linen": Environment(sys.executable),
+        "nnx": Environment(
+            sys.executable, patch="remote_fakes:bug_rmsnorm_epsilon", extra_paths=(TESTS,)
+        ),
+    }
+    pair = RemoteDecoderPair(cfg, TINY, [], environments)
+    try:
+        forward = checks.forward(pair)
+        assert forward.status == "failed" and "logits" in forward.worst["tensor"]
+        grads = checks.grads(pair)
+        assert grads.status == "failed"
+        assert checks.roundtrip(pair).passed  # the weights themselves still match
+    finally:
+        pair.close()

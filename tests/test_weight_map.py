@@ -1,0 +1,98 @@
+"""`migrate.checkpoints.weight_map`: a declared table applied strictly both ways."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from migrate.checkpoints.weight_map import Entry, WeightMap, WeightMapError, match
+
+MAP = WeightMap(
+    "old -> new",
+    (
+        Entry("params/layers/{layer}/q/kernel", "model/layers/{layer}/query/kernel", scale=4.0),
+        Entry("params/layers/{layer}/mlp/wi", "model/layers/{layer}/mlp/wi_0", moveaxis=(1, 0)),
+        Entry("params/layers/{layer}/out", "model/layers/{layer}/out", transpose=(2, 0, 1)),
+        Entry("params/{rest...}", "model/{rest...}"),
+    ),
+)
+
+
+def tree() -> dict:
+    rng = np.random.default_rng(0)
+    return {
+        ("params", "layers", "0", "q", "kernel"): rng.normal(size=(4, 2, 8)).astype(np.float32),
+        ("params", "layers", "0", "mlp", "wi"): rng.normal(size=(4, 3, 5)).astype(np.float32),
+        ("params", "layers", "0", "out"): rng.normal(size=(2, 3, 4)).astype(np.float32),
+        ("params", "norm", "scale"): rng.normal(size=(4,)).astype(np.float32),
+    }
+
+
+def test_both_ways_is_bit_exact_and_every_leaf_is_moved_once():
+    source = tree()
+    target = MAP.forward(source)
+    assert target[("model", "layers", "0", "mlp", "wi_0")].shape == (3, 4, 5)
+    assert target[("model", "layers", "0", "out")].shape == (4, 2, 3)
+    query = target[("model", "layers", "0", "query", "kernel")]
+    np.testing.assert_array_equal(query, source[("params", "layers", "0", "q", "kernel")] * 4)
+    assert target[("model", "norm", "scale")] is source[("params", "norm", "scale")]
+    back = MAP.backward(target)
+    assert list(back) == list(source)
+    for path, array in source.items():
+        assert back[path].tobytes() == array.tobytes(), path
+    assert MAP.exact
+
+
+def test_a_scale_that_is_not_a_power_of_two_is_not_exact():
+    assert not Entry("a", "b", scale=128**0.5).exact
+    assert Entry("a", "b", scale=0.25).exact
+
+
+@pytest.mark.parametrize(
+    ("flat", "fragment"),
+    [
+        ({("opt", "mu"): np.zeros(1)}, "no entry for 1 leaves: opt/mu"),
+        (
+            {("params", "a"): np.zeros(1), ("params", "b"): np.zeros(1)},
+            None,  # distinct targets: fine
+        ),
+    ],
+)
+def test_a_leaf_no_entry_covers_is_named(flat, fragment):
+    if fragment is None:
+        assert len(MAP.forward(flat)) == 2
+        return
+    with pytest.raises(WeightMapError, match=fragment):
+        MAP.forward(flat)
+
+
+def test_two_leaves_onto_one_and_two_entries_for_one_leaf_are_refused():
+    merge = WeightMap("merge", (Entry("a/{x}", "b/{x}"), Entry("c/{x}", "b/{x}")))
+    with pytest.raises(WeightMapError, match="two leaves onto one: a/1 and c/1 -> b/1"):
+        merge.forward({("a", "1"): np.zeros(1), ("c", "1"): np.zeros(1)})
+    twice = WeightMap("twice", (Entry("a/{x}", "b/{x}"), Entry("{y}/k", "c/{y}")))
+    with pytest.raises(WeightMapError, match=r"more than one entry for: a/k \(a/\{x\}, \{y\}/k\)"):
+        twice.forward({("a", "k"): np.zeros(1)})
+    # the most specific row wins over a catch-all
+    specific = WeightMap("specific", (Entry("a/{x}", "b/{x}"), Entry("a/k", "c/k")))
+    assert list(specific.forward({("a", "k"): np.zeros(1)})) == [("c", "k")]
+
+
+def test_the_target_template_is_checked_for_paths_shapes_and_dtypes():
+    produced = MAP.forward(tree())
+    expected = dict(produced)
+    expected[("model", "extra")] = np.zeros(1)
+    expected[("model", "norm", "scale")] = np.zeros(5, np.float32)
+    with pytest.raises(WeightMapError) as raised:
+        MAP.check_target(produced, expected)
+    assert "missing: model/extra" in str(raised.value)
+    assert "model/norm/scale: (4,) float32 where (5,) float32 is expected" in str(raised.value)
+
+
+def test_patterns():
+    assert match("a/{x}/c", ("a", "b", "c")) == {"x": "b"}
+    assert match("a/{x}/c", ("a", "b", "d")) is None
+    assert match("a/{rest...}", ("a", "b", "c")) == {"rest": "b/c"}
+    assert match("a/{rest...}", ("a",)) is None
+    with pytest.raises(ValueError, match="fields differ"):
+        Entry("a/{x}", "b/{y}")
