@@ -16,7 +16,15 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 CONFIG ?= configs/llama2-tiny.yml
 
-.PHONY: install test parity lint clean
+.PHONY: install test parity lint clean maxtext-envs
+
+# MaxText's own releases, each in its own environment, for the MaxText gate (tests/test_maxtext.py
+# and `parity --maxtext`): 0.2.3 (Linen decoder) and 0.2.5 (NNX decoder). Python 3.12 only.
+MAXTEXT_RELEASES := 0.2.3 0.2.5
+maxtext-envs:
+	@for v in $(MAXTEXT_RELEASES); do \
+	  MAXTEXT_VERSION=$$v MAXTEXT_VENV=$(CURDIR)/.venv-maxtext-$$v PYTHON="$$(.ci/find-python python3.12)" \
+	    bench/maxtext/install.sh >/dev/null || exit 1; done
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || "$$(.ci/find-python $(PYTHON))" -m venv $(VENV)
@@ -26,7 +34,10 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 
 install: $(VENV)/.installed
 
+# On the default stack the MaxText gate's environments are built first (a failure to build them
+# is reported by the MaxText tests, which then skip saying why).
 test: install
+	@if [ "$(PYVER)" = "3.12" ]; then $(MAKE) --no-print-directory maxtext-envs || echo "MaxText environments not built"; fi
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist=worksteal $(PYTEST_ARGS)
 
 PARITY_ARGS ?= --checks=all
@@ -38,4 +49,4 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf .venv .venv-py* .pytest_cache build *.egg-info
+	rm -rf .venv .venv-py* .venv-maxtext-* .pytest_cache build *.egg-info

@@ -4,12 +4,10 @@
                   [--plot=PATH] [--golden=DIR] [--update_golden] [--nomemory_check] [--verbose]
                   [--num_processes=N [--timeout_s=S] | --coordinator_address=H:P --process_id=I]
                   [--init_timeout_s=S] [--checkpoint=DIR] [--compilation_cache_dir=DIR] [--dry_run]
+                  [--linen_python=PY] [--nnx_python=PY] [--linen_path=DIR] [--nnx_path=DIR]
+    parity --maxtext configs/maxtext/NAME.yml [key=value ...] [--linen_python=PY] [--nnx_python=PY]
 
-Exit status (`migrate.errors`; the largest applies): 0 every check passed; 1 a check failed; 2
-bad input (usage, config, an output path, too little memory; a message, no traceback), also
-a check that could not run on this input or a report that could not be written; 3 a lost
-worker, an unreachable coordinator or a timed-out multi-process run; 4 an internal error (a
-check or the tool crashed; `--verbose` prints the traceback).
+Exit statuses (`migrate.errors`, the largest applies): `catalog.EXIT_STATUSES`, in `--help`.
 
 Everything that needs no JAX is validated first: the config (bounds), the checks, the
 multi-process flags, the output paths (`--json/--junit/--plot/--golden`, and an existing golden
@@ -21,10 +19,8 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from absl import app, flags, logging
 
@@ -36,11 +32,17 @@ from migrate.config.loading import load_config, parse_overrides
 from migrate.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_USAGE, BadInput
 from migrate.runtime import cli_help, cli_support, memory
 from migrate.runtime.devices import ensure_simulated_devices
-from parity.decoder.catalog import ABSTRACT_CHECKS, CHECK_NAMES, CHECKS, ON_REQUEST  # no JAX
+from parity.decoder.catalog import (  # no JAX
+    ABSTRACT_CHECKS,
+    CHECK_NAMES,
+    CHECKS,
+    EXIT_STATUSES,
+    ON_REQUEST,
+)
 from parity.multiprocess import coordinator  # no JAX
 from parity.remote import environments as remote_environments  # no JAX
 from parity.reports.outputs import Outputs  # no JAX
-from parity.reports.progress import StepProgress, plan, progress
+from parity.reports.progress import plan, progress
 
 FLAGS = flags.FLAGS
 _ABSL_FLAGS = set(FLAGS)  # absl's own (--helpfull lists them): not this command's
@@ -126,6 +128,13 @@ for _side in ("linen", "nnx"):
         f"The checkout whose migrate/ and parity/ the {_side} side's worker imports (another "
         "version of the code: gate before/after a change).",
     )
+flags.DEFINE_boolean(
+    "maxtext",
+    False,
+    "CONFIG is a MaxText gate config (configs/maxtext/): MaxText's own Linen decoder (0.2.3, "
+    "--linen_python) against its NNX decoder (0.2.5, --nnx_python), each built by its release "
+    "from the config's MaxText keys (defaults: the environments of `make maxtext-envs`).",
+)
 flags.DEFINE_float(
     "worker_timeout_s", 600.0, "Each call to a worker must answer within this.", lower_bound=1
 )
@@ -214,6 +223,8 @@ def _run(argv: Sequence[str]) -> int:
     positional = list(argv[1:])
     if not positional:
         return usage_error("missing CONFIG (for example configs/llama2-tiny.yml)")
+    if FLAGS.maxtext:
+        return _run_maxtext(positional)
     stored = None
     if FLAGS.checkpoint is None:
         cfg = load_config(positional[0], positional[1:])
@@ -263,9 +274,9 @@ def _run(argv: Sequence[str]) -> int:
         jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
-    from parity.decoder.checks import CHECKS
+    from parity.decoder import runner
     from parity.decoder.session import DecoderPair
-    from parity.engine.result import EXIT_STATUS, errored
+    from parity.engine.result import EXIT_STATUS
     from parity.reports import report
 
     if environments is not None:
@@ -283,38 +294,13 @@ def _run(argv: Sequence[str]) -> int:
         pair.use_weights(spec.framework, state.params)
         progress(f"weights from {FLAGS.checkpoint}: {spec.describe()}, step {state.step}")
     progress(plan(cfg, selected, FLAGS.num_processes))
-    results, durations = [], []
-
-    def run_check(name: str, check: Callable[[], Any]) -> None:
-        cli_support.raise_if_interrupted()
-        start = time.perf_counter()
-        progress(f"{name} ...")
-        try:
-            result = check()
-        except errors.WorkerLost:
-            raise  # exit 3 now: every later call would fail the same way
-        except Exception as e:  # failed (parity), bad_input or errored: `errored`
-            result = errored(name, e)
-        durations.append(time.perf_counter() - start)
-        progress(f"{name}: {result.status.upper()} ({durations[-1]:.1f}s)")
-        if result.status in ("bad_input", "errored"):
-            progress(f"{name}: {result.message}")
-        results.append(result)
-
-    for name in selected:
-        if name == "train":
-            on_step = StepProgress(FLAGS.steps)
-            run_check(name, lambda on_step=on_step: CHECKS["train"](pair, FLAGS.steps, on_step))
-        else:
-            run_check(name, lambda name=name: CHECKS[name](pair))
-    drill_down = any(r.name in ("forward", "grads") and r.status == "failed" for r in results)
-    if drill_down and "layers" not in selected and environments is None:
-        progress("forward or grads failed: drilling down per layer")
-        run_check("layers", lambda: CHECKS["layers"](pair))
-
     main = distributed.is_main()  # only process 0 prints the table and writes reports
+    golden = []
     if outputs is not None and outputs.golden is not None:
-        run_check("golden", lambda: outputs.golden_result(pair, write=main))
+        golden = [("golden", lambda: outputs.golden_result(pair, write=main))]
+    results, durations = runner.run_checks(
+        pair, selected, FLAGS.steps, environments is None, golden
+    )
     status = max(EXIT_STATUS[r.status] for r in results)
     if environments is not None:
         progress(f"{pair.transfer_seconds():.1f}s in calls to the workers")
@@ -324,6 +310,46 @@ def _run(argv: Sequence[str]) -> int:
         if outputs is not None:
             status = max(status, outputs.write(results, cfg.model_name, durations))
     return distributed.worst_status(status)
+
+
+def _run_maxtext(positional: Sequence[str]) -> int:
+    """`parity --maxtext CONFIG`: MaxText's two releases, each in its worker."""
+    from parity.remote import maxtext_config
+
+    config = maxtext_config.load(positional[0], positional[1:])
+    selected = _select_checks() if FLAGS.checks else list(maxtext_config.CHECKS)
+    if isinstance(selected, str):
+        return usage_error(selected)
+    local_only = [c for c in selected if c in remote_environments.LOCAL_ONLY]
+    if local_only:
+        progress(f"not across processes, skipped: {', '.join(local_only)}")
+    selected = [c for c in selected if c not in local_only]
+    environments = maxtext_config.environments(FLAGS)
+    outputs = _outputs(config.model_name)
+    if FLAGS.dry_run:
+        print(f"{config.describe()}; checks: {', '.join(selected)}")
+        return EXIT_PASS
+    ensure_simulated_devices(config.num_devices)
+
+    import jax  # JAX starts here
+
+    from parity.decoder import runner
+    from parity.engine.result import EXIT_STATUS
+    from parity.remote import maxtext_pair
+    from parity.reports import report
+
+    if FLAGS.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
+    pair = maxtext_pair.MaxTextPair(config, environments)
+    progress(f"{config.describe()}; sides: {maxtext_pair.describe(pair)}")
+    try:
+        results, durations = runner.run_checks(pair, selected, FLAGS.steps, drill_down=False)
+        progress(f"{pair.transfer_seconds():.1f}s in calls to the workers")
+    finally:
+        pair.close()
+    report.render_table(results, config.model_name)
+    status = max(EXIT_STATUS[r.status] for r in results)
+    return max(status, outputs.write(results, config.model_name, durations))
 
 
 def main() -> None:
@@ -340,20 +366,6 @@ def main() -> None:
         cli_support.exit_now(status, distributed=worker, program="parity")
 
     app.run(entry, flags_parser=_parse_flags)
-
-
-EXIT_STATUSES = (
-    ("0", "every check passed"),
-    ("1", "a check failed: a real parity difference"),
-    (
-        "2",
-        "bad input: usage, config, output path, golden file, too little memory, a check that "
-        "could not run on this input, a report that could not be written",
-    ),
-    ("3", "a lost worker, an unreachable coordinator, a multi-process run that timed out"),
-    ("4", "an internal error: the tool or a check crashed (--verbose: the traceback)"),
-    ("128+N", "stopped by signal N (130 SIGINT, 143 SIGTERM)"),
-)
 
 
 def help_text() -> str:

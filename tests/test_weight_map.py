@@ -96,3 +96,13 @@ def test_patterns():
     assert match("a/{rest...}", ("a",)) is None
     with pytest.raises(ValueError, match="fields differ"):
         Entry("a/{x}", "b/{y}")
+
+
+def test_logical_names_move_with_their_axes_and_declared_renames_apply():
+    row = Entry("a/{x}", "b/{x}", moveaxis=(1, 0), names=(("embed", "embed_attn"),))
+    table = WeightMap("names", (row,))
+    forward = table.names({("a", "k"): ("embed", "layers", "mlp")})
+    assert forward == {("b", "k"): ("layers", "embed_attn", "mlp")}
+    assert table.names(forward, forward=False) == {("a", "k"): ("embed", "layers", "mlp")}
+    array = np.zeros((2, 3, 4))
+    assert table.forward({("a", "k"): array})[("b", "k")].shape == (3, 2, 4)

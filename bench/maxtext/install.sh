@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Install MaxText 0.2.5 into its own virtual environment for the benchmarks in bench/.
+# Install a MaxText release (0.2.5 unless MAXTEXT_VERSION says another: 0.2.3, 0.2.4 install
+# alike) into its own virtual environment: for the benchmarks in bench/, and for the MaxText
+# gate (`make maxtext-envs`: 0.2.3 and 0.2.5 in .venv-maxtext-<version>).
 # MaxText is never a dependency of the project: its wheel goes in with --no-deps, next to exactly
 # the packages that the imports listed below need (bench/maxtext/requirements.txt, pinned).
 #
 #   bench/maxtext/install.sh                  # -> bench/.venv-maxtext, checks the pipeline imports
 #   bench/maxtext/install.sh MODULE...        # also check that these modules import
 #   MAXTEXT_VENV=/path bench/maxtext/install.sh   # another location
+#   MAXTEXT_VERSION=0.2.3 MAXTEXT_VENV=.venv-maxtext-0.2.3 bench/maxtext/install.sh
 #   PYTHON=/path/to/python3.12 bench/maxtext/install.sh
 #
 # Run MaxText code with `DECOUPLE_GCLOUD=TRUE $MAXTEXT_VENV/bin/python ...` (CPU, no cloud).
@@ -14,15 +17,18 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 venv=${MAXTEXT_VENV:-$root/bench/.venv-maxtext}
+version=${MAXTEXT_VERSION:-0.2.5}
+case "$version" in 0.2.3|0.2.4|0.2.5) ;; *) echo "install.sh: MaxText $version: not a release this project maps (0.2.3, 0.2.4, 0.2.5)" >&2; exit 2 ;; esac
 python=${PYTHON:-$("$root/.ci/find-python" python3.12)}
 modules=(maxtext.layers.pipeline maxtext.models.llama2 maxtext.configs.pyconfig "$@")
 
-if [ ! -f "$venv/.installed" ] || [ "$here/requirements.txt" -nt "$venv/.installed" ]; then
+if [ ! -f "$venv/.installed" ] || [ "$here/requirements.txt" -nt "$venv/.installed" ] \
+    || [ "$(cat "$venv/.installed")" != "$version" ]; then
   [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
   "$venv/bin/python" -m pip install --quiet --upgrade pip
   "$venv/bin/python" -m pip install --quiet --no-deps -r "$here/requirements.txt"
-  "$venv/bin/python" -m pip install --quiet --no-deps maxtext==0.2.5
-  touch "$venv/.installed"
+  "$venv/bin/python" -m pip install --quiet --no-deps "maxtext==$version"
+  echo "$version" > "$venv/.installed"
 fi
 for module in "${modules[@]}"; do
   DECOUPLE_GCLOUD=TRUE JAX_PLATFORMS=cpu "$venv/bin/python" -c "import $module" >/dev/null 2>&1 || {

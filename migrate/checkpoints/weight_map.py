@@ -11,7 +11,8 @@ stacking axes, transposes, scales), declared in one table and applied strictly b
     source = MAP.backward(target_flat)           # the inverse, as strict
 
 A pattern is a `/`-separated path whose `{field}` segments match one path segment each (and
-`{field...}` the rest of the path); what they match fills the same fields of the other side.
+`{field...}` one or more segments, anywhere); what they match fills the same fields of the
+other side.
 `moveaxis=(a, b)` moves axis `a` to `b` on the way forward (and back on the way back);
 `transpose` permutes axes; `scale` multiplies on the way forward and divides on the way
 back: bit-exact both ways only for a power of two, which `exact` reports. Of the rows that match
@@ -49,6 +50,9 @@ class Entry:
     moveaxis: tuple[int, int] | None = None
     transpose: tuple[int, ...] | None = None
     scale: float | None = None
+    # logical axis names renamed on the way forward (`{"embed": "embed_attn"}`), back on the way
+    # back: a declared difference of annotation, shown in reports, never a silent one
+    names: tuple[tuple[str, str], ...] = ()
     note: str = ""  # why the row is there (a convention, a rename), shown in reports
 
     def __post_init__(self) -> None:
@@ -71,6 +75,31 @@ class Entry:
             out = (out * np.asarray(self.scale, dtype=out.dtype)).astype(out.dtype)
         return out
 
+    def rename(self, names: tuple | None, forward: bool) -> tuple | None:
+        """A leaf's logical names as this row moves it: permuted with its axes, renamed as
+        declared."""
+        if names is None:
+            return None
+        order = list(range(len(names)))
+
+        def moved(order: list[int], source: int, destination: int) -> list[int]:
+            out = list(order)
+            out.insert(destination % len(out), out.pop(source % len(out)))
+            return out
+
+        if forward:
+            if self.moveaxis is not None:
+                order = moved(order, *self.moveaxis)
+            if self.transpose is not None:
+                order = [order[i] for i in self.transpose]
+        else:
+            if self.transpose is not None:
+                order = [order[i] for i in np.argsort(self.transpose)]
+            if self.moveaxis is not None:
+                order = moved(order, self.moveaxis[1], self.moveaxis[0])
+        table = dict(self.names) if forward else {b: a for a, b in self.names}
+        return tuple(table.get(names[i], names[i]) for i in order)
+
     def backward_array(self, array: Any) -> Any:
         out = array
         if self.scale is not None:
@@ -91,24 +120,22 @@ def _fields(pattern: str) -> list[str]:
     return [m.group(1) for part in pattern.split("/") if (m := _FIELD.match(part))]
 
 
-def match(pattern: str, path: Path) -> dict[str, str] | None:
-    """The fields of `pattern` that `path` fills, or None when it does not match."""
-    parts = pattern.split("/")
-    found: dict[str, str] = {}
-    for i, part in enumerate(parts):
+def _regex(pattern: str) -> re.Pattern[str]:
+    parts = []
+    for part in pattern.split("/"):
         field = _FIELD.match(part)
-        if field and field.group(2):  # `{rest...}`: the remainder, at least one segment
-            if i != len(parts) - 1 or i >= len(path):
-                return None
-            found[field.group(1)] = "/".join(path[i:])
-            return found
-        if i >= len(path):
-            return None
-        if field:
-            found[field.group(1)] = path[i]
-        elif part != path[i]:
-            return None
-    return found if len(parts) == len(path) else None
+        if field is None:
+            parts.append(re.escape(part))
+        else:
+            parts.append(f"(?P<{field.group(1)}>{'.+' if field.group(2) else '[^/]+'})")
+    return re.compile("/".join(parts))
+
+
+def match(pattern: str, path: Path) -> dict[str, str] | None:
+    """The fields of `pattern` that `path` fills, or None when it does not match (`{x...}`
+    spans one or more segments, anywhere in the pattern)."""
+    found = _regex(pattern).fullmatch("/".join(path))
+    return None if found is None else found.groupdict()
 
 
 def fill(pattern: str, fields: Mapping[str, str]) -> Path:
@@ -165,6 +192,31 @@ class WeightMap:
             way = "forward" if forward else "backward"
             raise WeightMapError(f"weight map {self.name!r} ({way})", problems)
         return out
+
+    def names(self, flat: Mapping[Path, Any], forward: bool = True) -> dict[Path, Any]:
+        """Logical names by source path -> by target path, permuted and renamed as the rows
+        say (the same strictness as the arrays)."""
+        out: dict[Path, Any] = {}
+        for path, names in flat.items():
+            entry, fields = self._row(path, forward)
+            out[fill(entry.target if forward else entry.source, fields)] = entry.rename(
+                names, forward
+            )
+        return out
+
+    def _row(self, path: Path, forward: bool) -> tuple[Entry, dict[str, str]]:
+        hits = [
+            (e, f)
+            for e in self.entries
+            if (f := match(e.source if forward else e.target, path)) is not None
+        ]
+        if not hits:
+            raise WeightMapError(f"weight map {self.name!r}", [f"no entry for {'/'.join(path)}"])
+        best = max(_literals(e.source if forward else e.target) for e, _ in hits)
+        hits = [h for h in hits if _literals(h[0].source if forward else h[0].target) == best]
+        if len(hits) > 1:
+            raise WeightMapError(f"weight map {self.name!r}", [f"ambiguous: {'/'.join(path)}"])
+        return hits[0]
 
     def forward(self, flat: Mapping[Path, Any]) -> dict[Path, Any]:
         """Source leaves (flat by path) -> target leaves; every leaf used exactly once."""

@@ -1,6 +1,6 @@
 """The checks a `parity CONFIG` run can select: their names in run order, one line on what each
-compares, and which run only on request. No JAX: the command validates `--checks` and prints
-`--help` before JAX starts."""
+compares, which run only on request, and the command's exit statuses. No JAX: the command
+validates `--checks` and prints `--help` before JAX starts."""
 
 from __future__ import annotations
 
@@ -33,3 +33,15 @@ CHECK_NAMES: tuple[str, ...] = tuple(CHECKS)
 # one check that never allocates weights: `--checks=compile` works for the 7B config.
 ON_REQUEST = ("layers", "compile", "efficiency")
 ABSTRACT_CHECKS = ("compile", "efficiency")  # compile from shapes: no weights allocated
+EXIT_STATUSES = (
+    ("0", "every check passed"),
+    ("1", "a check failed: a real parity difference"),
+    (
+        "2",
+        "bad input: usage, config, output path, golden file, too little memory, a check that "
+        "could not run on this input, a report that could not be written",
+    ),
+    ("3", "a lost worker, an unreachable coordinator, a multi-process run that timed out"),
+    ("4", "an internal error: the tool or a check crashed (--verbose: the traceback)"),
+    ("128+N", "stopped by signal N (130 SIGINT, 143 SIGTERM)"),
+)

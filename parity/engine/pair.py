@@ -35,6 +35,13 @@ class Pair:
     program_name = "program"  # what `Side.lowered` is, in messages ("train step")
     rules = None  # logical axis rules: enable the resolved-spec comparisons
     mesh = None  # enables placements and the compiled programs' shardings and collectives
+
+    @property
+    def programs_on_mesh(self) -> bool:
+        """The sides' programs run on a mesh: compare their shardings and collectives (a pair
+        whose sides each build their own mesh, in workers, says so without one here)."""
+        return self.mesh is not None
+
     # Where a record's tensor sits in the model's data flow (a sort key, earlier lower): a
     # failing check then names its largest error, the earliest among equals; None names the
     # first failure in check order.

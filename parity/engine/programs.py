@@ -82,6 +82,17 @@ def parameter_records(pair: Pair) -> list[dict]:
             )
         )
         if pair.rules is None:
+            # Each side resolved its names with rules of its own (two releases of one
+            # framework): where both placed their arrays, the placements must agree.
+            placed = [getattr(a[path], "sharding", None) for a in (linen_arrays, nnx_arrays)]
+            if all(hasattr(s, "spec") for s in placed):
+                records.append(
+                    fact_record(
+                        f"{where}: placed",
+                        _equivalent(placed[0], placed[1], ndim),
+                        *(_shown(s) for s in placed),
+                    )
+                )
             continue
         linen_spec = sharding_lib.logical_to_spec(linen, pair.rules)
         nnx_spec = sharding_lib.logical_to_spec(nnx, pair.rules)
@@ -178,7 +189,7 @@ def sharding(pair: Pair) -> CheckResult:
     records = parameter_records(pair)
     note = "names, ranks, specs, placements, compiled shardings, program structure: equal"
     try:
-        if pair.mesh is not None:
+        if pair.programs_on_mesh:
             records += compiled_sharding_records(pair)
             linen_text, nnx_text = (pair.compiled(f).as_text() for f in SOURCES)
             records += collective_records(linen_text, nnx_text)

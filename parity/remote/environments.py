@@ -30,7 +30,7 @@ class Environment:
     extra_paths: tuple[str, ...] = ()  # importable by the worker after `path` (the patch's)
 
 
-def _checkout(path: str, flag: str) -> str:
+def checkout(path: str, flag: str) -> str:
     root = Path(path)
     if not (root / "parity" / "remote" / "worker.py").is_file():
         raise BadInput(
@@ -58,7 +58,7 @@ def from_flags(flags: Any) -> dict[str, Environment] | None:
         path = given[side, "path"]
         out[side] = Environment(
             python=check_interpreter(python),
-            path=_checkout(path, f"{side}_path") if path else None,
+            path=checkout(path, f"{side}_path") if path else None,
             timeout_s=flags["worker_timeout_s"].value,
         )
     return out

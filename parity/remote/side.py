@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from migrate.checkpoints.convert import ConversionError
+from migrate.checkpoints.weight_map import WeightMap
 from parity.engine.side import ProgramArray, Run, Side, SideError, Trainer
 from parity.multiprocess import distributed
 from parity.remote import protocol
@@ -106,9 +107,31 @@ def _rebuilt_sharding(record: dict | None, meshes: dict) -> Any:
 class RemoteSide(Side):
     """One side of a pair, served by `worker` (already started with its factory)."""
 
-    def __init__(self, worker: Worker, framework: str) -> None:
-        self.worker, self.framework = worker, framework
+    def __init__(self, worker: Worker, framework: str, weight_map: WeightMap | None = None) -> None:
+        """`weight_map`: common form (source) -> this side's native paths and names (target),
+        applied on the way in and back on the way out; None when they are the same."""
+        self.worker, self.framework, self.weight_map = worker, framework, weight_map
         self._meshes: dict = {}
+
+    def _mapped(self, tree: dict[str, Any], forward: bool) -> dict[str, Any]:
+        """A tree (leaves boxed or not) through the weight map, names permuted and renamed."""
+        if self.weight_map is None:
+            return tree
+        is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
+        flat = {
+            tuple(str(getattr(p, "key", p)) for p in path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]
+        }
+        values = {p: (x.value if is_box(x) else x) for p, x in flat.items()}
+        names = {p: (tuple(x.names) if is_box(x) else None) for p, x in flat.items()}
+        move = self.weight_map.forward if forward else self.weight_map.backward
+        moved, renamed = move(values), self.weight_map.names(names, forward)
+        return protocol.nest(
+            {
+                p: v if renamed[p] is None else nn.LogicallyPartitioned(v, renamed[p])
+                for p, v in moved.items()
+            }
+        )
 
     # ------------------------------------------------------------ the wire
 
@@ -145,9 +168,11 @@ class RemoteSide(Side):
         return RemoteTree(self, self.call("own_weights")["handle"])
 
     def to_common(self, weights: RemoteTree) -> dict[str, Any]:
-        return self._boxed(self.call("to_common", handle=weights.handle)["tree"])
+        native = self._boxed(self.call("to_common", handle=weights.handle)["tree"])
+        return self._mapped(native, forward=False)
 
     def from_common(self, variables: dict[str, Any]) -> RemoteTree:
+        variables = self._mapped(variables, forward=True)
         is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
         leaves, names = [], {}
         for path, leaf in jax.tree_util.tree_flatten_with_path(variables, is_leaf=is_box)[0]:
@@ -161,7 +186,7 @@ class RemoteSide(Side):
 
     def plain(self, tree: Any) -> Any:
         if isinstance(tree, RemoteTree):
-            return self._tree(self.call("plain", handle=tree.handle)["tree"])
+            return self._mapped(self._tree(self.call("plain", handle=tree.handle)["tree"]), False)
         return distributed.to_host(nn.meta.unbox(tree))
 
     # ------------------------------------------------------------ running
@@ -169,6 +194,8 @@ class RemoteSide(Side):
     def run(self, weights: RemoteTree) -> Run:
         reply = self.call("run", handle=weights.handle)
         parts = self._tree(reply["tree"])
+        if "grads" in parts:
+            parts["grads"] = self._mapped(parts["grads"], forward=False)
         return Run(**{name: parts.get(name) for name in reply["parts"]})
 
     @functools.cache  # noqa: B019 (one program per weights; a side lives as long as its pair)

@@ -111,10 +111,17 @@ class Server:
         make = getattr(importlib.import_module(module_name), function)
         host_batch = protocol.nest(protocol.read_tree(self.directory, batch)[0])
         self.side, self.place_batch = _model(lambda: make(options, host_batch.get("batch")))
+        from importlib import metadata
+
         import flax
         import jax
 
+        packages = {}
+        for name in ("maxtext",):
+            with contextlib.suppress(metadata.PackageNotFoundError):
+                packages[name] = metadata.version(name)
         return {
+            **packages,
             "framework": self.side.framework,
             "python": sys.version.split()[0],
             "jax": jax.__version__,

@@ -1,0 +1,58 @@
+"""The check loop of a `parity` run: each selected check on a pair, its progress lines, its
+errors classified (a lost worker ends the run: exit 3), and the drill-down after a failed
+forward or grads."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from migrate import errors
+from migrate.runtime import cli_support
+from parity.decoder.checks import CHECKS
+from parity.engine.result import errored
+from parity.reports.progress import StepProgress, progress
+
+
+def run_checks(
+    pair: Any,
+    selected: Sequence[str],
+    steps: int,
+    drill_down: bool,
+    after: Sequence[tuple[str, Callable[[], Any]]] = (),
+) -> tuple[list, list]:
+    """Each selected check on `pair`, then each `(name, check)` of `after`, with progress
+    lines: (results, seconds per check). `drill_down`: run `layers` by itself when forward or
+    grads fails."""
+    results, durations = [], []
+
+    def run_check(name: str, check: Callable[[], Any]) -> None:
+        cli_support.raise_if_interrupted()
+        start = time.perf_counter()
+        progress(f"{name} ...")
+        try:
+            result = check()
+        except errors.WorkerLost:
+            raise  # exit 3 now: every later call would fail the same way
+        except Exception as e:  # failed (parity), bad_input or errored: `errored`
+            result = errored(name, e)
+        durations.append(time.perf_counter() - start)
+        progress(f"{name}: {result.status.upper()} ({durations[-1]:.1f}s)")
+        if result.status in ("bad_input", "errored"):
+            progress(f"{name}: {result.message}")
+        results.append(result)
+
+    for name in selected:
+        if name == "train":
+            on_step = StepProgress(steps)
+            run_check(name, lambda on_step=on_step: CHECKS["train"](pair, steps, on_step))
+        else:
+            run_check(name, lambda name=name: CHECKS[name](pair))
+    failed = any(r.name in ("forward", "grads") and r.status == "failed" for r in results)
+    if drill_down and failed and "layers" not in selected:
+        progress("forward or grads failed: drilling down per layer")
+        run_check("layers", lambda: CHECKS["layers"](pair))
+    for name, check in after:
+        run_check(name, check)
+    return results, durations

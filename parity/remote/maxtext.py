@@ -1,0 +1,370 @@
+"""The worker's factory for MaxText's own decoder (`parity.remote.maxtext:make`), run in a
+MaxText environment (`tools/maxtext/install.sh`): 0.2.3's Linen `TransformerLinenPure`, or
+0.2.5's NNX `Transformer`, each built from MaxText's own `configs/base.yml` plus the
+overrides, on MaxText's own mesh and logical rules.
+
+What this side computes, on both releases alike (only the model code and the optimizer's
+construction are MaxText's; the rest is this module's, the same on both sides):
+- the common form: `{'params': tree}` keyed by MaxText's parameter paths (identical in 0.2.3 and
+  0.2.5), each leaf boxed with the logical names its release declares;
+- `run`: logits, and the loss as MaxText's trainer normalises it (cross-entropy summed over the
+  target tokens whose `targets_segmentation` is non-zero, divided by their count), gradients
+  w.r.t. every parameter, their global norm on device;
+- `trainer`: the optimizer of `maxtext.optimizers.optimizers.get_optimizer` (its learning-rate
+  schedule from `maxtext_utils.create_learning_rate_schedule`) in a jitted step of this module.
+
+Options: `framework` (`linen`: the release must build a pure Linen decoder; `nnx`), `overrides`
+(MaxText keys), `patch` (`module:function` called first: a test's injected bug).
+Imports MaxText only inside `make` (the harness imports this module's name, never MaxText).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+DEFAULTS = {  # what every gate run needs whatever the shape: CPU, no cloud, no checkpoints
+    "run_name": "parity",
+    "hardware": "cpu",
+    "skip_jax_distributed_system": True,
+    "enable_checkpointing": False,
+    "jax_cache_dir": "",
+    "dataset_type": "synthetic",
+    "enable_dropout": False,
+    "dropout_rate": 0.0,
+}
+
+
+def _names(variable: Any) -> tuple | None:
+    """An NNX Variable's logical axis names (`out_sharding`, or an older key)."""
+    metadata = variable.get_metadata() if hasattr(variable, "get_metadata") else {}
+    for key in ("out_sharding", "sharding", "sharding_names"):
+        names = metadata.get(key)
+        if names is not None:
+            return tuple(names)
+    return None
+
+
+class MaxTextSide:
+    """One MaxText release's decoder, as the engine's `Side` protocol asks (served by the
+    worker; the harness sees a `RemoteSide`)."""
+
+    def __init__(self, framework: str, config: Any, mesh: Any, batch: Any) -> None:
+        import jax
+        from flax.linen import partitioning as nn_partitioning
+        from maxtext.optimizers import optimizers
+        from maxtext.utils import maxtext_utils
+
+        self.framework, self.config, self.mesh, self.batch = framework, config, mesh, batch
+        self.rules = config.logical_axis_rules
+        self._context = lambda: _Both(jax.set_mesh(mesh), nn_partitioning.axis_rules(self.rules))
+        schedule = maxtext_utils.create_learning_rate_schedule(config)
+        self.tx = optimizers.get_optimizer(config, schedule)
+        self._own: Any = None
+        self._programs: dict[int, tuple[Any, Any, Any]] = {}
+
+    # ------------------------------------------------------------ building
+
+    def _build(self) -> Any:
+        """(native boxed variables or NNX Param state, the apply function over plain params)."""
+        import flax.linen as nn
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+        from maxtext.utils import model_creation_utils
+
+        shape = self.batch["inputs"].shape
+        with self._context():
+            if self.framework == "linen":
+                model = model_creation_utils.from_config(self.config, mesh=self.mesh)
+                if not isinstance(model, nn.Module) or "ToLinen" in type(model).__name__:
+                    raise ValueError(
+                        f"this MaxText release builds {type(model).__name__}, not a Linen decoder"
+                    )
+                streams = ("params", "dropout", "aqt")
+                keys = dict(zip(streams, jax.random.split(jax.random.key(0), 3), strict=True))
+                ones = jnp.ones(shape, jnp.int32)
+                boxed = jax.jit(lambda: model.init(keys, ones, ones))()
+                self._apply = lambda plain, batch: model.apply(
+                    plain, batch["inputs"], batch["inputs_position"],
+                    decoder_segment_ids=batch["inputs_segmentation"], enable_dropout=False,
+                    rngs={"dropout": keys["dropout"], "params": keys["aqt"]},
+                    mutable=["intermediates"],
+                )[0]  # fmt: skip
+                return {"params": boxed["params"]}
+            rngs = nnx.Rngs(params=0, dropout=1, aqt=2)
+            model = model_creation_utils.from_config(self.config, mesh=self.mesh, rngs=rngs)
+            graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+            self._graph = (graphdef, params, rest)
+
+            def apply(plain: Any, batch: Any) -> Any:
+                state = jax.tree.map(lambda x: x, params)
+                nnx.replace_by_pure_dict(state, plain["params"])
+                merged = nnx.merge(graphdef, state, rest, copy=True)
+                out = merged(
+                    batch["inputs"], batch["inputs_position"],
+                    decoder_segment_ids=batch["inputs_segmentation"], enable_dropout=False,
+                )  # fmt: skip
+                return out[0] if isinstance(out, tuple) else out
+
+            self._apply = apply
+            return params
+
+    # ------------------------------------------------------------ weights
+
+    def own_weights(self) -> Any:
+        """This release's initialisation, each parameter placed as MaxText's trainer places
+        it: its logical names resolved by the release's own rules on its mesh."""
+        if self._own is None:
+            self._own = self._placed(self._build())
+        return self._own
+
+    def _placed(self, native: Any) -> Any:
+        import flax.linen as nn
+        import jax
+        from flax import nnx
+        from jax.sharding import PartitionSpec
+
+        def place(value: Any, names: tuple | None) -> Any:
+            if names is None:
+                return value
+            spec = nn.logical_to_mesh_sharding(PartitionSpec(*names), self.mesh, self.rules)
+            return jax.device_put(value, spec)
+
+        if self.framework == "linen":
+            is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
+            return jax.tree.map(
+                lambda b: b.replace_boxed(place(b.value, tuple(b.names))) if is_box(b) else b,
+                native,
+                is_leaf=is_box,
+            )
+        for variable in jax.tree.leaves(native, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+            if isinstance(variable, nnx.Variable):
+                value = variable.get_value() if hasattr(variable, "get_value") else variable.value
+                variable.set_value(place(value, _names(variable)))
+        return native
+
+    def to_common(self, weights: Any) -> dict[str, Any]:
+        import flax.linen as nn
+        import jax
+        from flax import nnx
+
+        if self.framework == "linen":
+            return weights
+        is_variable = lambda x: isinstance(x, nnx.Variable)
+        flat = {}
+        for path, variable in jax.tree_util.tree_flatten_with_path(weights, is_leaf=is_variable)[0]:
+            key = tuple(str(getattr(p, "key", p)) for p in path)
+            value = variable.get_value() if hasattr(variable, "get_value") else variable.value
+            names = _names(variable)
+            flat[key] = value if names is None else nn.LogicallyPartitioned(value, names)
+        return {"params": _nest(flat)}
+
+    def from_common(self, variables: dict[str, Any]) -> Any:
+        """The common form as this release's weights: every path, shape and dtype of its own
+        tree (else `ConversionError`), each array placed as its own initialisation's; the
+        logical names stay this release's (the `sharding` check compares them)."""
+        import flax.linen as nn
+        import jax
+        from flax import nnx
+
+        own = self.to_common(self.own_weights())
+        own_flat = _flat(nn.meta.unbox(own))
+        given = _flat(nn.meta.unbox(variables))
+        problems = [f"missing: {'/'.join(p)}" for p in own_flat if p not in given]
+        problems += [
+            f"not in this release's tree: {'/'.join(p)}" for p in given if p not in own_flat
+        ]
+        for path in set(own_flat) & set(given):
+            mine, theirs = own_flat[path], given[path]
+            if tuple(mine.shape) != tuple(theirs.shape) or str(mine.dtype) != str(theirs.dtype):
+                problems.append(
+                    f"{'/'.join(path)}: {tuple(theirs.shape)} {theirs.dtype} where this release "
+                    f"has {tuple(mine.shape)} {mine.dtype}"
+                )
+        if problems:
+            from migrate.checkpoints.convert import ConversionError
+
+            raise ConversionError(f"into maxtext ({self.framework})", sorted(problems))
+        placed = {p: jax.device_put(given[p], own_flat[p].sharding) for p in own_flat}
+        if self.framework == "linen":
+            boxes = _flat(own, keep_boxes=True)
+            return _nest({p: boxes[p].replace_boxed(placed[p]) for p in boxes})
+        state = jax.tree.map(lambda x: x, self.own_weights())
+        nnx.replace_by_pure_dict(state, _nest(placed)["params"])
+        return state
+
+    def plain(self, tree: Any) -> Any:
+        import flax.linen as nn
+        import jax
+        from flax import nnx
+
+        if isinstance(tree, nnx.State):
+            tree = {"params": nnx.to_pure_dict(tree)}
+        return jax.device_get(nn.meta.unbox(tree))
+
+    def _plain_params(self, weights: Any) -> Any:
+        import flax.linen as nn
+        from flax import nnx
+
+        if isinstance(weights, nnx.State):
+            return {"params": nnx.to_pure_dict(weights)}
+        return nn.meta.unbox(weights)
+
+    # ------------------------------------------------------------ running
+
+    def _loss(self, plain: Any, batch: Any) -> tuple[Any, Any]:
+        import jax
+        import jax.numpy as jnp
+
+        logits = self._apply(plain, batch)
+        log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        xent = -jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1)[..., 0]
+        mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
+        return jnp.sum(xent * mask) / jnp.sum(mask), logits
+
+    def _grad_fn(self) -> Any:
+        import jax
+        import optax
+
+        def forward_backward(plain: Any, batch: Any) -> Any:
+            (loss, logits), grads = jax.value_and_grad(self._loss, has_aux=True)(plain, batch)
+            return loss, logits, grads, optax.global_norm(grads)
+
+        return jax.jit(forward_backward)
+
+    def run(self, weights: Any) -> Any:
+        import jax
+
+        from parity.engine.side import Run
+
+        with self._context():
+            loss, logits, grads, norm = self._grad_fn()(self._plain_params(weights), self.batch)
+        loss, logits, grads, norm = jax.device_get((loss, logits, grads, norm))
+        return Run(loss=loss, outputs=logits, grads=grads, grad_norm=norm)
+
+    def lowered(self, weights: Any) -> Any:
+        with self._context():
+            return self._grad_fn().lower(self._plain_params(weights), self.batch)
+
+    def compiled(self, weights: Any) -> Any:
+        key = id(weights)
+        if key not in self._programs:
+            self._programs[key] = (weights, None, self.lowered(weights).compile())
+        return self._programs[key][2]
+
+    def program_shardings(self, compiled: Any) -> dict[str, tuple[Any, int, Any]]:
+        import jax
+
+        out = {}
+        parts = {"input": ("params", "batch"), "output": ("loss", "logits", "grads", "grad_norm")}
+        for io, actual, avals in (
+            ("input", compiled.input_shardings[0], compiled.args_info[0]),
+            ("output", compiled.output_shardings, compiled.out_info),
+        ):
+            flat, _ = jax.tree_util.tree_flatten_with_path(actual)
+            for (path, sharding), aval in zip(flat, jax.tree.leaves(avals), strict=True):
+                head = parts[io][path[0].idx]
+                rest = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path[1:])
+                label = f"forward+backward {io}: {head}" + (f"/{rest}" if rest else "")
+                out[label] = (sharding, len(aval.shape), None)
+        return out
+
+    def trainer(self, weights: Any) -> Any:
+        import jax
+        import optax
+
+        from parity.engine.side import Trainer
+
+        params = jax.tree.map(lambda x: x.copy(), self._plain_params(weights))
+
+        def step(params: Any, opt_state: Any, batch: Any) -> Any:
+            (loss, _), grads = jax.value_and_grad(self._loss, has_aux=True)(params, batch)
+            updates, opt_state = self.tx.update(grads, opt_state, params)
+            metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+            return optax.apply_updates(params, updates), opt_state, metrics
+
+        def evaluate(params: Any, batch: Any) -> Any:
+            return self._loss(params, batch)[0]
+
+        with self._context():
+            opt_state = self.tx.init(params)
+        return Trainer(params, opt_state, _InContext(jax.jit(step), self._context),
+                       _InContext(jax.jit(evaluate), self._context))  # fmt: skip
+
+    def drill_stages(self, weights: Any) -> list:
+        return []
+
+    def jaxpr(self, weights: Any) -> Any:
+        return None
+
+
+class _Both:
+    """Two context managers as one."""
+
+    def __init__(self, first: Any, second: Any) -> None:
+        self.first, self.second = first, second
+
+    def __enter__(self) -> None:
+        self.first.__enter__()
+        self.second.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.second.__exit__(*exc)
+        self.first.__exit__(*exc)
+
+
+class _InContext:
+    """A jitted function called under MaxText's mesh and rules."""
+
+    def __init__(self, fn: Any, context: Any) -> None:
+        self.fn, self.context = fn, context
+
+    def __call__(self, *args: Any) -> Any:
+        with self.context():
+            return self.fn(*args)
+
+
+def _flat(tree: Any, keep_boxes: bool = False) -> dict[tuple[str, ...], Any]:
+    import flax.linen as nn
+    import jax
+
+    is_box = (lambda x: isinstance(x, nn.LogicallyPartitioned)) if keep_boxes else None
+    return {
+        tuple(str(getattr(p, "key", p)) for p in path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]
+    }
+
+
+def _nest(flat: dict[tuple[str, ...], Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for path, value in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out
+
+
+def make(options: dict[str, Any], batch: Any) -> tuple[MaxTextSide, Any]:
+    """The side for `options` (see the module docstring) and how to place a host batch."""
+    os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
+    if options.get("patch"):
+        module_name, _, function = options["patch"].partition(":")
+        getattr(importlib.import_module(module_name), function)()
+    import jax
+    import maxtext
+    from jax.sharding import NamedSharding, PartitionSpec
+    from maxtext.configs import pyconfig
+    from maxtext.utils import maxtext_utils
+
+    base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
+    config = pyconfig.initialize([None, base], **{**DEFAULTS, **options.get("overrides", {})})
+    mesh = maxtext_utils.get_mesh_from_config(config)
+    data = NamedSharding(mesh, PartitionSpec(*[tuple(a) for a in config.data_sharding]))
+
+    def place_batch(host: dict) -> dict:
+        return {k: jax.device_put(v, data) for k, v in host.items()}
+
+    return MaxTextSide(options["framework"], config, mesh, place_batch(batch)), place_batch

@@ -1,0 +1,120 @@
+"""A MaxText gate config, read and validated before JAX: a YAML whose `maxtext:` mapping holds
+MaxText's own keys (as its users type them on `train.py`'s command line), `key=value`
+overrides on top, and the environments of the two releases. No JAX, no MaxText.
+
+    # configs/maxtext/llama2-tiny-pp4.yml
+    maxtext:
+      decoder_block: llama2
+      ici_pipeline_parallelism: 4
+      ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from migrate.config import safe_load
+from migrate.errors import BadInput
+from parity.remote.client import REPO
+
+MAX_BYTES = 1 << 16
+REQUIRED = ("per_device_batch_size", "max_target_length", "vocab_size")
+# The releases the weight map knows, and where `make maxtext-envs` puts each one.
+RELEASES = {"linen": "0.2.3", "nnx": "0.2.5"}
+CHECKS = ("roundtrip", "init", "forward", "grads", "sharding", "train")  # the default set
+ICI = re.compile(r"^ici_(\w+)_parallelism$")
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxTextConfig:
+    """What the harness needs of a MaxText gate run: the keys both sides build from, a name for
+    reports, and the device count of MaxText's mesh (the product of its `ici_*` axes)."""
+
+    model_name: str
+    keys: dict[str, Any]
+    num_devices: int
+
+    @property
+    def stages(self) -> int:
+        return int(self.keys.get("ici_pipeline_parallelism", 1))
+
+    def describe(self) -> str:
+        shown = ", ".join(
+            f"{k}={self.keys[k]}"
+            for k in ("ici_pipeline_parallelism", "num_pipeline_microbatches",
+                      "num_pipeline_repeats", "num_layers_per_pipeline_stage",
+                      "base_num_decoder_layers")
+            if k in self.keys
+        )  # fmt: skip
+        return f"MaxText {self.model_name}: {self.num_devices} devices, {shown}"
+
+
+def _read(path: Path) -> dict[str, Any]:
+    text = safe_load.read_text(path, MAX_BYTES, "MaxText config")
+    values = safe_load.load_yaml(text, str(path))
+    if not isinstance(values, dict) or not isinstance(values.get("maxtext"), dict):
+        raise BadInput(f"{path}: a MaxText config is a mapping with a `maxtext:` mapping of keys")
+    unknown = sorted(set(values) - {"maxtext"})
+    if unknown:
+        raise BadInput(f"{path}: unknown top-level keys {unknown} (MaxText's go under maxtext:)")
+    return dict(values["maxtext"])
+
+
+def load(path: str | Path, overrides: list[str]) -> MaxTextConfig:
+    """`base.yml` beside the config, the config at `path`, then `key=value` overrides;
+    BadInput names what is wrong."""
+    path = Path(path)
+    base = path.parent / "base.yml"
+    keys = _read(base) if base.exists() and base.resolve() != path.resolve() else {}
+    keys.update(_read(path))
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise BadInput(f"override {item!r}: expected key=value")
+        keys[key] = safe_load.load_yaml(raw, f"override {key}") if raw else ""
+    missing = [k for k in REQUIRED if k not in keys]
+    if missing:
+        raise BadInput(f"{path}: the MaxText config must set {', '.join(missing)}")
+    sizes = {name: keys[name] for name in keys if ICI.match(name)}
+    bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or not 1 <= v <= 512}
+    if bad:
+        raise BadInput(f"{path}: ici_*_parallelism must be integers in 1..512 here: {bad}")
+    devices = math.prod(sizes.values()) if sizes else 1
+    if not 1 <= devices <= 512:
+        raise BadInput(f"{path}: the mesh needs {devices} devices; at most 512 simulated")
+    return MaxTextConfig(Path(path).stem, keys, devices)
+
+
+def default_python(framework: str) -> str | None:
+    """The interpreter `make maxtext-envs` installed for `framework`'s release, if there."""
+    python = REPO / f".venv-maxtext-{RELEASES[framework]}" / "bin" / "python"
+    return str(python) if python.exists() else None
+
+
+def environments(flags: Any) -> dict[str, Any]:
+    """Each release's environment: `--{side}_python` (and `--{side}_path`), else the one
+    `make maxtext-envs` built; BadInput when neither is there."""
+    from parity.remote.client import check_interpreter
+    from parity.remote.environments import Environment, checkout
+
+    if flags["num_processes"].value > 1 or flags["checkpoint"].value is not None:
+        raise BadInput("--maxtext runs in one process, on the releases' own initialisations")
+    out = {}
+    for side, release in RELEASES.items():
+        python = flags[f"{side}_python"].value or default_python(side)
+        if python is None:
+            raise BadInput(
+                f"--maxtext: no MaxText {release} environment for the {side} side; run "
+                f"`make maxtext-envs` or pass --{side}_python"
+            )
+        path = flags[f"{side}_path"].value
+        out[side] = Environment(
+            python=check_interpreter(python),
+            path=checkout(path, f"{side}_path") if path else None,
+            timeout_s=flags["worker_timeout_s"].value,
+        )
+    return out

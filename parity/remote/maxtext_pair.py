@@ -1,0 +1,136 @@
+"""MaxText's Linen decoder (one release, in its environment) against its NNX decoder (another
+release, in its own): `parity configs/maxtext/NAME.yml --maxtext --linen_python=...
+--nnx_python=...`.
+
+The config is a YAML of MaxText keys (MaxText's names and values, as its users type them on
+`train.py`'s command line), `key=value` overrides on top; each side builds its model from its
+own release's `base.yml` with them (`parity.remote.maxtext`). The weights travel as MaxText's
+own parameter paths (identical in 0.2.3 and 0.2.5: the weight map is the identity,
+`IDENTITY`); what differs between the releases is reported by the checks, not mapped away.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from migrate.checkpoints.weight_map import Entry, WeightMap
+from parity.analysis import compare
+from parity.decoder.session import vacuity_problems
+from parity.engine.pair import Pair
+from parity.engine.side import Run
+from parity.remote.client import Worker
+from parity.remote.environments import Environment
+from parity.remote.maxtext_config import MaxTextConfig
+from parity.remote.side import RemoteSide
+
+FACTORY = "parity.remote.maxtext:make"
+# MaxText 0.2.3 (Linen) -> 0.2.5 (NNX): every parameter keeps its path, shape and dtype
+# (measured on every shape of docs/maxtext.md). One declared difference: 0.2.5 names the embed
+# dimension of the attention kernels `embed_attn` (0.2.3: `embed`), a logical name of its own
+# that its rules shard as `embed` (the `sharding` check compares the placements themselves).
+ATTENTION = "{prefix...}/self_attention/{kernel}/kernel"
+RELEASES = WeightMap(
+    "maxtext 0.2.3 -> 0.2.5",
+    (
+        Entry("{path...}", "{path...}"),
+        Entry(
+            "params/" + ATTENTION,
+            "params/" + ATTENTION,
+            names=(("embed", "embed_attn"),),
+            note="0.2.5 names the attention kernels' embed dimension embed_attn",
+        ),
+    ),
+)
+# MaxText 0.2.5 reorders float32 work where a stage holds more than one microbatch
+# (num_pipeline_microbatches > stages): logits and gradients then differ from 0.2.3 by
+# rounding only. Measured worst, relative to scale, over the shipped MaxText shapes with M > S
+# (docs/maxtext.md): see MAXTEXT_REORDERED below; bit-exact everywhere else.
+MAXTEXT_REORDERED = compare.Tolerance(
+    64 * float(np.finfo(np.float32).eps),
+    "MaxText 0.2.5 reorders float32 work when a stage holds several microbatches: 64 ulp at scale",
+)
+
+
+def batch(keys: dict[str, Any], devices: int, seed: int, step: int, split: str) -> dict:
+    """MaxText's training batch for the synthetic data: tokens, positions, segment ids and
+    targets, deterministic in (seed, split, step) and the same on both sides."""
+    size = int(keys["per_device_batch_size"] * devices)
+    length, vocab = int(keys["max_target_length"]), int(keys["vocab_size"])
+    rng = np.random.default_rng([seed, {"train": 0, "eval": 1}[split], step])
+    tokens = rng.integers(0, vocab, size=(size, length + 1), dtype=np.int32)
+    positions = np.broadcast_to(np.arange(length, dtype=np.int32), (size, length)).copy()
+    ones = np.ones((size, length), np.int32)
+    return {
+        "inputs": tokens[:, :-1],
+        "inputs_position": positions,
+        "inputs_segmentation": ones,
+        "targets": tokens[:, 1:],
+        "targets_segmentation": ones,
+    }
+
+
+def tolerance(keys: dict[str, Any]) -> compare.Tolerance:
+    stages = int(keys.get("ici_pipeline_parallelism", 1)) * int(
+        keys.get("dcn_pipeline_parallelism", 1)
+    )
+    microbatches = int(keys.get("num_pipeline_microbatches", -1))
+    if stages > 1 and microbatches > stages:
+        return MAXTEXT_REORDERED
+    return compare.EXACT
+
+
+class MaxTextPair(Pair):
+    """MaxText's two decoders, each in the worker of its environment."""
+
+    output_name = "logits"
+    forward_parts = ("logits", "loss")
+    program_name = "forward+backward"
+    programs_on_mesh = True  # each side's own MaxText mesh, its shardings rebuilt here
+
+    def __init__(
+        self, config: MaxTextConfig, environments: dict[str, Environment], seed: int = 0
+    ) -> None:
+        self.config, self.keys = config, config.keys
+        self.environments, self.seed = environments, seed
+        self.devices = config.num_devices
+        self.workers: dict[str, Worker] = {}
+        self.weight_maps = {"nnx": RELEASES}  # Linen's paths and names are the common form
+        sides = [self._side(f) for f in ("linen", "nnx")]
+        super().__init__(*sides, tolerance(self.keys))
+
+    def _side(self, framework: str) -> RemoteSide:
+        env = self.environments[framework]
+        paths = [*([env.path] if env.path else []), *env.extra_paths]
+        worker = Worker(
+            env.python, framework, paths, env={"DECOUPLE_GCLOUD": "TRUE"}, timeout_s=env.timeout_s
+        )
+        self.workers[framework] = worker
+        options = {"framework": framework, "overrides": self.keys, "patch": env.patch}
+        worker.info = worker.start(FACTORY, options, self.batch())
+        return RemoteSide(worker, framework, self.weight_maps.get(framework))
+
+    def batch(self, step: int = 0, split: str = "train") -> dict:
+        return batch(self.keys, self.devices, self.seed, step, split)
+
+    def vacuity(self, run: Run) -> list[str]:
+        return vacuity_problems(run, int(self.keys["vocab_size"]))
+
+    def transfer_seconds(self) -> float:
+        return sum(w.seconds_in_calls for w in self.workers.values())
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.close()
+
+
+def describe(pair: MaxTextPair) -> str:
+    parts = []
+    for side, worker in pair.workers.items():
+        info = worker.info
+        parts.append(
+            f"{side}: {worker.python} (maxtext {info.get('maxtext', '?')}, python "
+            f"{info.get('python')}, jax {info.get('jax')}, flax {info.get('flax')})"
+        )
+    return "; ".join(parts)
