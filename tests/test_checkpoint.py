@@ -397,7 +397,8 @@ def test_destination_safety(linen_ckpt, tmp_path):
     dst = tmp_path / "dst"
     dst.mkdir()
     (dst / "keep.txt").write_text("mine")
-    with pytest.raises(CheckpointError, match="already exists; pass --force"):
+    # Without --force too, and without advising a --force that would then be refused.
+    with pytest.raises(CheckpointError, match=r"not a checkpoint this tool wrote.*even with"):
         checkpoint.convert_checkpoint(linen_ckpt, dst, cfg, "linen", "nnx")
     assert (dst / "keep.txt").read_text() == "mine"
 
@@ -408,6 +409,8 @@ def test_destination_safety(linen_ckpt, tmp_path):
     assert (dst / "keep.txt").read_text() == "mine"
     ours = tmp_path / "ours"
     checkpoint.convert_checkpoint(linen_ckpt, ours, cfg, "linen", "nnx")
+    with pytest.raises(CheckpointError, match="already exists; pass --force"):
+        checkpoint.convert_checkpoint(linen_ckpt, ours, cfg, "linen", "nnx")
     checkpoint.convert_checkpoint(linen_ckpt, ours, cfg, "linen", "nnx", force=True)
     assert meta.read_meta(ours)["framework"] == "nnx"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "ours"]  # no staging left
