@@ -42,7 +42,7 @@ from parity.decoder.catalog import (  # no JAX
 from parity.multiprocess import coordinator  # no JAX
 from parity.remote import environments as remote_environments  # no JAX
 from parity.reports.outputs import Outputs  # no JAX
-from parity.reports.progress import plan, progress
+from parity.reports.progress import plan, progress, workers_line
 
 FLAGS = flags.FLAGS
 _ABSL_FLAGS = set(FLAGS)  # absl's own (--helpfull lists them): not this command's
@@ -303,7 +303,7 @@ def _run(argv: Sequence[str]) -> int:
     )
     status = max(EXIT_STATUS[r.status] for r in results)
     if environments is not None:
-        progress(f"{pair.transfer_seconds():.1f}s in calls to the workers")
+        progress(workers_line(*pair.call_and_transfer_seconds()))
         pair.close()
     if main:
         report.render_table(results, cfg.model_name)
@@ -344,7 +344,7 @@ def _run_maxtext(positional: Sequence[str]) -> int:
     progress(f"{config.describe()}; sides: {maxtext_pair.describe(pair)}")
     try:
         results, durations = runner.run_checks(pair, selected, FLAGS.steps, drill_down=False)
-        progress(f"{pair.transfer_seconds():.1f}s in calls to the workers")
+        progress(workers_line(*pair.call_and_transfer_seconds()))
     finally:
         pair.close()
     report.render_table(results, config.model_name)

@@ -77,6 +77,7 @@ class Worker:
         self.replies: queue.Queue[str | None] = queue.Queue()
         self.info: dict[str, Any] = {}  # what `start` answered: versions, devices
         self.seconds_in_calls = 0.0
+        self.io_seconds = 0.0  # this process writing and reading array files
         self.calls = 0
         try:
             self.process = subprocess.Popen(
@@ -158,10 +159,23 @@ class Worker:
         )
 
     def send_tree(self, tree: Any, names: dict | None = None) -> dict[str, Any]:
-        return protocol.write_tree(self.directory, protocol.flatten(tree).items(), names)
+        start = time.perf_counter()
+        manifest = protocol.write_tree(self.directory, protocol.flatten(tree).items(), names)
+        self.io_seconds += time.perf_counter() - start
+        return manifest
 
     def receive_tree(self, manifest: dict[str, Any]) -> tuple[dict, dict]:
-        return protocol.read_tree(self.directory, manifest)
+        start = time.perf_counter()
+        found = protocol.read_tree(self.directory, manifest)
+        self.io_seconds += time.perf_counter() - start
+        return found
+
+    def transfer_seconds(self) -> float:
+        """Seconds both processes spent writing and reading array files for this worker."""
+        try:
+            return self.io_seconds + float(self.call("stats", timeout_s=30)["io_seconds"])
+        except Exception:  # a lost worker: what this process measured
+            return self.io_seconds
 
     def close(self) -> None:
         process = getattr(self, "process", None)

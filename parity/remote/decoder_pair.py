@@ -58,6 +58,12 @@ class RemoteDecoderPair(DecoderPair):
     def extra_roundtrip_records(self, source: str) -> list[dict]:
         return []  # the layout round trip runs the converters of this process, not the sides'
 
+    def call_and_transfer_seconds(self) -> tuple[float, float]:
+        """Seconds in calls to the workers (their work included), and of those the seconds
+        spent moving arrays between the processes (writing and reading their files)."""
+        calls = sum(w.seconds_in_calls for w in self.workers.values())
+        return calls, sum(w.transfer_seconds() for w in self.workers.values())
+
     def transfer_seconds(self) -> float:
         """Seconds spent in calls to the workers (their work and the arrays' travel)."""
         return sum(w.seconds_in_calls for w in self.workers.values())

@@ -117,6 +117,12 @@ class MaxTextPair(Pair):
     def vacuity(self, run: Run) -> list[str]:
         return vacuity_problems(run, int(self.keys["vocab_size"]))
 
+    def call_and_transfer_seconds(self) -> tuple[float, float]:
+        """Seconds in calls to the workers (their work included), and of those the seconds
+        spent moving arrays between the processes (writing and reading their files)."""
+        calls = sum(w.seconds_in_calls for w in self.workers.values())
+        return calls, sum(w.transfer_seconds() for w in self.workers.values())
+
     def transfer_seconds(self) -> float:
         return sum(w.seconds_in_calls for w in self.workers.values())
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any
 
 import flax.linen as nn
@@ -181,7 +182,9 @@ class RemoteSide(Side):
                 names[key] = tuple(leaf.names)
                 leaf = leaf.value
             leaves.append((key, distributed.to_host(leaf)))
+        start = time.perf_counter()
         manifest = protocol.write_tree(self.worker.directory, leaves, names)
+        self.worker.io_seconds += time.perf_counter() - start
         return RemoteTree(self, self.call("from_common", tree=manifest)["handle"])
 
     def plain(self, tree: Any) -> Any:

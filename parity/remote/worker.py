@@ -23,6 +23,7 @@ import contextlib
 import importlib
 import io
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -62,6 +63,7 @@ class Server:
         self.place_batch: Callable[[Any], Any] = lambda batch: batch
         self.held: dict[int, Any] = {}
         self.next_handle = 0
+        self.io_seconds = 0.0  # writing and reading array files
 
     # -------------------------------------------------------------- trees
 
@@ -87,13 +89,18 @@ class Server:
                 leaf = leaf.value
             placements[key] = _one_sharding(getattr(leaf, "sharding", None))
             leaves.append((key, jax.device_get(leaf)))
-        return protocol.write_tree(self.directory, leaves, names, placements)
+        start = time.perf_counter()
+        manifest = protocol.write_tree(self.directory, leaves, names, placements)
+        self.io_seconds += time.perf_counter() - start
+        return manifest
 
     def boxed(self, manifest: dict[str, Any]) -> Any:
         """A manifest back as a tree, leaves with logical names boxed as Linen's variables."""
         import flax.linen as nn
 
+        start = time.perf_counter()
         arrays, entries = protocol.read_tree(self.directory, manifest)
+        self.io_seconds += time.perf_counter() - start
         flat = {}
         for path, array in arrays.items():
             names = entries[path]["names"]
@@ -101,7 +108,9 @@ class Server:
         return protocol.nest(flat)
 
     def batch(self, manifest: dict[str, Any]) -> Any:
+        start = time.perf_counter()
         tree = protocol.nest(protocol.read_tree(self.directory, manifest)[0])
+        self.io_seconds += time.perf_counter() - start
         return self.place_batch(tree.get("batch", tree))
 
     # -------------------------------------------------------------- ops
@@ -210,6 +219,9 @@ class Server:
         placed = self.batch(batch)
         loss = _model(lambda: self.held[trainer].evaluate(self.held[params], placed))
         return {"tree": self.send_tree({"loss": loss})}
+
+    def op_stats(self) -> dict:
+        return {"io_seconds": self.io_seconds}
 
     def op_drop(self, handles: list[int]) -> dict:
         for handle in handles:

@@ -54,3 +54,12 @@ def _slices(cfg: Any) -> str:
         f"dcn_data_parallelism={cfg.dcn_data_parallelism} x "
         f"dcn_pipeline_parallelism={cfg.dcn_pipeline_parallelism})"
     )
+
+
+def workers_line(calls_s: float, transfer_s: float) -> str:
+    """The cost of running the sides in workers: seconds in calls, and moving arrays."""
+    share = transfer_s / calls_s if calls_s > 0 else 0.0
+    return (
+        f"{calls_s:.1f}s in calls to the workers, {transfer_s:.2f}s of it moving arrays "
+        f"between the processes ({share:.1%})"
+    )
