@@ -303,8 +303,8 @@ def _run(argv: Sequence[str]) -> int:
     )
     status = max(EXIT_STATUS[r.status] for r in results)
     if environments is not None:
-        progress(workers_line(*pair.call_and_transfer_seconds()))
-        pair.close()
+        progress(workers_line(*pair.workers.call_and_transfer_seconds()))
+        pair.workers.close()
     if main:
         report.render_table(results, cfg.model_name)
         if outputs is not None:
@@ -344,9 +344,9 @@ def _run_maxtext(positional: Sequence[str]) -> int:
     progress(f"{config.describe()}; sides: {maxtext_pair.describe(pair)}")
     try:
         results, durations = runner.run_checks(pair, selected, FLAGS.steps, drill_down=False)
-        progress(workers_line(*pair.call_and_transfer_seconds()))
+        progress(workers_line(*pair.workers.call_and_transfer_seconds()))
     finally:
-        pair.close()
+        pair.workers.close()
     report.render_table(results, config.model_name)
     status = max(EXIT_STATUS[r.status] for r in results)
     return max(status, outputs.write(results, config.model_name, durations))

@@ -77,7 +77,7 @@ def test_a_bug_injected_in_the_nnx_release_is_caught_at_its_place(bug, check, wh
     try:
         result = {"init": engine_checks.init, "forward": engine_checks.forward}[check](pair)
     finally:
-        pair.close()
+        pair.workers.close()
     assert result.status == "failed"
     assert where in result.where, result.where
 

@@ -175,4 +175,4 @@ def test_a_bug_injected_in_the_nnx_worker_is_caught_where_the_local_gate_catches
         assert grads.status == "failed"
         assert checks.roundtrip(pair).passed  # the weights themselves still match
     finally:
-        pair.close()
+        pair.workers.close()

@@ -191,3 +191,36 @@ class Worker:
 
     def __del__(self) -> None:
         self.close()
+
+
+class WorkerSet(dict):
+    """The workers of a pair's sides, by framework: started from their environments, what they
+    cost, closed together."""
+
+    def start(
+        self,
+        framework: str,
+        where: Any,
+        factory: str,
+        options: dict,
+        batch: Any,
+        variables: dict[str, str] | None = None,
+    ) -> Worker:
+        """A worker for `framework` in `where` (an `environments.Environment`), with extra
+        environment `variables`, its side built by `factory(options, batch)`; `worker.info` is
+        what the side reported (versions)."""
+        paths = [*([where.path] if where.path else []), *where.extra_paths]
+        worker = Worker(where.python, framework, paths, env=variables, timeout_s=where.timeout_s)
+        self[framework] = worker
+        worker.info = worker.start(factory, {**options, "patch": where.patch}, batch)
+        return worker
+
+    def call_and_transfer_seconds(self) -> tuple[float, float]:
+        """Seconds in calls to the workers (their work included), and of those the seconds
+        spent moving arrays between the processes (writing and reading their files)."""
+        calls = sum(w.seconds_in_calls for w in self.values())
+        return calls, sum(w.transfer_seconds() for w in self.values())
+
+    def close(self) -> None:
+        for worker in self.values():
+            worker.close()

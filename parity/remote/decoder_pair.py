@@ -17,7 +17,7 @@ from typing import Any
 from migrate.config.contract import Config
 from parity.decoder.session import DecoderPair
 from parity.multiprocess import distributed
-from parity.remote.client import Worker
+from parity.remote.client import WorkerSet
 from parity.remote.environments import Environment
 from parity.remote.side import RemoteSide
 
@@ -36,41 +36,25 @@ class RemoteDecoderPair(DecoderPair):
     ) -> None:
         self.config_path, self.overrides = str(config_path), list(overrides)
         self.environments = environments
-        self.workers: dict[str, Worker] = {}
+        self.workers = WorkerSet()
         super().__init__(cfg)
 
     def _side(self, framework: str, cfg: Config | None = None, **variant: Any) -> RemoteSide:
         if cfg is not None or variant:
             raise NotImplementedError("a variant of a twin runs in this process only")
-        env = self.environments[framework]
-        paths = [*([env.path] if env.path else []), *env.extra_paths]
-        worker = Worker(env.python, framework, paths, timeout_s=env.timeout_s)
-        self.workers[framework] = worker
         options = {
             "config": str(Path(self.config_path).resolve()),
             "overrides": self.overrides,
             "framework": framework,
-            "patch": env.patch,
         }
-        worker.info = worker.start(FACTORY, options, distributed.to_host(self.train_batch))
+        batch = distributed.to_host(self.train_batch)
+        worker = self.workers.start(
+            framework, self.environments[framework], FACTORY, options, batch
+        )
         return RemoteSide(worker, framework)
 
     def extra_roundtrip_records(self, source: str) -> list[dict]:
         return []  # the layout round trip runs the converters of this process, not the sides'
-
-    def call_and_transfer_seconds(self) -> tuple[float, float]:
-        """Seconds in calls to the workers (their work included), and of those the seconds
-        spent moving arrays between the processes (writing and reading their files)."""
-        calls = sum(w.seconds_in_calls for w in self.workers.values())
-        return calls, sum(w.transfer_seconds() for w in self.workers.values())
-
-    def transfer_seconds(self) -> float:
-        """Seconds spent in calls to the workers (their work and the arrays' travel)."""
-        return sum(w.seconds_in_calls for w in self.workers.values())
-
-    def close(self) -> None:
-        for worker in self.workers.values():
-            worker.close()
 
 
 def describe(pair: RemoteDecoderPair) -> str:

@@ -24,6 +24,8 @@ import importlib
 import os
 from typing import Any
 
+from parity.remote import protocol
+
 DEFAULTS = {  # what every gate run needs whatever the shape: CPU, no cloud, no checkpoints
     "run_name": "parity",
     "hardware": "cpu",
@@ -159,7 +161,7 @@ class MaxTextSide:
             value = variable.get_value() if hasattr(variable, "get_value") else variable.value
             names = _names(variable)
             flat[key] = value if names is None else nn.LogicallyPartitioned(value, names)
-        return {"params": _nest(flat)}
+        return {"params": protocol.nest(flat)}
 
     def from_common(self, variables: dict[str, Any]) -> Any:
         """The common form as this release's weights: every path, shape and dtype of its own
@@ -190,9 +192,9 @@ class MaxTextSide:
         placed = {p: jax.device_put(given[p], own_flat[p].sharding) for p in own_flat}
         if self.framework == "linen":
             boxes = _flat(own, keep_boxes=True)
-            return _nest({p: boxes[p].replace_boxed(placed[p]) for p in boxes})
+            return protocol.nest({p: boxes[p].replace_boxed(placed[p]) for p in boxes})
         state = jax.tree.map(lambda x: x, self.own_weights())
-        nnx.replace_by_pure_dict(state, _nest(placed)["params"])
+        nnx.replace_by_pure_dict(state, protocol.nest(placed)["params"])
         return state
 
     def plain(self, tree: Any) -> Any:
@@ -335,16 +337,6 @@ def _flat(tree: Any, keep_boxes: bool = False) -> dict[tuple[str, ...], Any]:
         tuple(str(getattr(p, "key", p)) for p in path): leaf
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]
     }
-
-
-def _nest(flat: dict[tuple[str, ...], Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for path, value in flat.items():
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return out
 
 
 def make(options: dict[str, Any], batch: Any) -> tuple[MaxTextSide, Any]:

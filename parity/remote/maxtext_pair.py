@@ -20,7 +20,7 @@ from parity.analysis import compare
 from parity.decoder.session import vacuity_problems
 from parity.engine.pair import Pair
 from parity.engine.side import Run
-from parity.remote.client import Worker
+from parity.remote.client import WorkerSet
 from parity.remote.environments import Environment
 from parity.remote.maxtext_config import MaxTextConfig
 from parity.remote.side import RemoteSide
@@ -83,20 +83,17 @@ class MaxTextPair(Pair):
         self.config, self.keys = config, config.keys
         self.environments, self.seed = environments, seed
         self.devices = config.num_devices
-        self.workers: dict[str, Worker] = {}
+        self.workers = WorkerSet()
         self.weight_maps = {"nnx": RELEASES}  # Linen's paths and names are the common form
         sides = [self._side(f) for f in ("linen", "nnx")]
         super().__init__(*sides, TOLERANCE)
 
     def _side(self, framework: str) -> RemoteSide:
+        options = {"framework": framework, "overrides": self.keys}
         env = self.environments[framework]
-        paths = [*([env.path] if env.path else []), *env.extra_paths]
-        worker = Worker(
-            env.python, framework, paths, env={"DECOUPLE_GCLOUD": "TRUE"}, timeout_s=env.timeout_s
+        worker = self.workers.start(
+            framework, env, FACTORY, options, self.batch(), {"DECOUPLE_GCLOUD": "TRUE"}
         )
-        self.workers[framework] = worker
-        options = {"framework": framework, "overrides": self.keys, "patch": env.patch}
-        worker.info = worker.start(FACTORY, options, self.batch())
         return RemoteSide(worker, framework, self.weight_maps.get(framework))
 
     def batch(self, step: int = 0, split: str = "train") -> dict:
@@ -104,19 +101,6 @@ class MaxTextPair(Pair):
 
     def vacuity(self, run: Run) -> list[str]:
         return vacuity_problems(run, int(self.keys["vocab_size"]))
-
-    def call_and_transfer_seconds(self) -> tuple[float, float]:
-        """Seconds in calls to the workers (their work included), and of those the seconds
-        spent moving arrays between the processes (writing and reading their files)."""
-        calls = sum(w.seconds_in_calls for w in self.workers.values())
-        return calls, sum(w.transfer_seconds() for w in self.workers.values())
-
-    def transfer_seconds(self) -> float:
-        return sum(w.seconds_in_calls for w in self.workers.values())
-
-    def close(self) -> None:
-        for worker in self.workers.values():
-            worker.close()
 
 
 def describe(pair: MaxTextPair) -> str:
