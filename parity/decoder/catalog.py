@@ -41,7 +41,11 @@ EXIT_STATUSES = (
         "bad input: usage, config, output path, golden file, too little memory, a check that "
         "could not run on this input, a report that could not be written",
     ),
-    ("3", "a lost worker, an unreachable coordinator, a multi-process run that timed out"),
+    (
+        "3",
+        "a lost worker (another process, or a side in another environment that died or "
+        "hung), an unreachable coordinator, a multi-process run that timed out",
+    ),
     ("4", "an internal error: the tool or a check crashed (--verbose: the traceback)"),
     ("128+N", "stopped by signal N (130 SIGINT, 143 SIGTERM)"),
 )
