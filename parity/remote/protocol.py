@@ -45,10 +45,6 @@ def decode(line: str) -> dict[str, Any]:
     return message
 
 
-def _dtype_name(array: np.ndarray) -> str:
-    return str(array.dtype)
-
-
 def _to_storable(array: np.ndarray) -> np.ndarray:
     if array.dtype.kind in NATIVE_KINDS and array.dtype.name != "bfloat16":
         return array
@@ -82,7 +78,7 @@ def write_tree(
         entry: dict[str, Any] = {
             "path": [str(p) for p in path],
             "file": file.name,
-            "dtype": _dtype_name(array),
+            "dtype": str(array.dtype),
             "shape": list(array.shape),
         }
         if names is not None and tuple(path) in names and names[tuple(path)] is not None:

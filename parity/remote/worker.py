@@ -310,7 +310,8 @@ def serve(server: Server, requests: io.TextIOBase, replies: io.TextIOBase) -> No
             handler = getattr(server, f"op_{op}", None)
             if handler is None:
                 raise protocol.ProtocolError(f"unknown op {op!r}")
-            with contextlib.redirect_stdout(sys.stderr):  # stdout carries replies only
+            # stdout carries replies only: whatever a side prints goes to stderr
+            with contextlib.redirect_stdout(sys.stderr):
                 reply = {"ok": handler(**message)}
         except _ModelError as e:
             reply = _error_reply(e, "model")
@@ -323,10 +324,8 @@ def main(argv: list[str]) -> None:
     if len(argv) != 2:
         print("usage: python -m parity.remote.worker DIRECTORY", file=sys.stderr)
         raise SystemExit(2)
-    replies = sys.stdout
-    sys.stdout = sys.stderr  # a stray print must not corrupt the protocol
-    protocol.send(replies, {"ready": {"version": protocol.VERSION}})
-    serve(Server(Path(argv[1])), sys.stdin, replies)
+    protocol.send(sys.stdout, {"ready": {"version": protocol.VERSION}})
+    serve(Server(Path(argv[1])), sys.stdin, sys.stdout)
 
 
 if __name__ == "__main__":
