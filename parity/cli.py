@@ -283,7 +283,7 @@ def _run(argv: Sequence[str]) -> int:
         from parity.remote import decoder_pair
 
         pair = decoder_pair.RemoteDecoderPair(cfg, positional[0], positional[1:], environments)
-        progress(f"sides in workers: {decoder_pair.describe(pair)}")
+        progress(f"sides in workers: {pair.workers.describe(environments)}")
     else:
         pair = DecoderPair(cfg)
     if stored is not None:
@@ -341,7 +341,7 @@ def _run_maxtext(positional: Sequence[str]) -> int:
     if FLAGS.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
     pair = maxtext_pair.MaxTextPair(config, environments)
-    progress(f"{config.describe()}; sides: {maxtext_pair.describe(pair)}")
+    progress(f"{config.describe()}; sides: {pair.workers.describe(environments)}")
     try:
         results, durations = runner.run_checks(pair, selected, FLAGS.steps, drill_down=False)
         progress(workers_line(*pair.workers.call_and_transfer_seconds()))

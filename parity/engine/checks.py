@@ -26,7 +26,7 @@ from parity.engine.result import (
     tree_records,
     verdict,
 )
-from parity.engine.side import Run
+from parity.engine.side import Run, returned_sharding_mismatches
 from parity.multiprocess import distributed
 
 
@@ -175,32 +175,14 @@ def _returned_state_records(prefix: str, side_plain, compiled_step, params, opt_
     step takes it with; only the mismatches are recorded."""
     del side_plain
     if hasattr(compiled_step, "returned_mismatches"):  # a worker's step checked them there
-        return [
-            {"tensor": f"{prefix}: {m['path']}", "passed": False, "max_rel": math.inf}
-            | {"returned": m["returned"], "expected": m["expected"]}
-            for m in compiled_step.returned_mismatches
-        ]
-    expected = jax.tree.leaves(compiled_step.input_shardings[0][:2])
-    returned = [
-        (f"{part}/{compare.path_str(path)}", array)
-        for part, tree in (("params", params), ("opt_state", opt_state))
-        for path, array in jax.tree_util.tree_flatten_with_path(tree)[0]
+        mismatches = compiled_step.returned_mismatches
+    else:
+        mismatches = returned_sharding_mismatches(compiled_step, params, opt_state)
+    return [
+        {"tensor": f"{prefix}: {m['path']}", "passed": False, "max_rel": math.inf}
+        | {"returned": m["returned"], "expected": m["expected"]}
+        for m in mismatches
     ]
-    records = []
-    for (path, array), want in zip(returned, expected, strict=True):
-        have = getattr(array, "sharding", None)
-        if have is None or have.is_equivalent_to(want, array.ndim):
-            continue
-        records.append(
-            {
-                "tensor": f"{prefix}: {path}",
-                "passed": False,
-                "max_rel": math.inf,
-                "returned": str(getattr(have, "spec", have)),
-                "expected": str(getattr(want, "spec", want)),
-            }
-        )
-    return records
 
 
 def train(

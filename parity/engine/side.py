@@ -162,3 +162,25 @@ class Side(abc.ABC):
         """Stochastic call `index` run `draws` times from `weights`, the RNG state carried:
         its outputs stacked on a leading draw axis, on the host."""
         raise NotImplementedError(f"{type(self).__name__} has no stochastic calls")
+
+
+def returned_sharding_mismatches(step: Any, params: Any, opt_state: Any) -> list[dict[str, str]]:
+    """Each parameter and optimizer-state array a compiled train `step` returned whose
+    sharding is not the one the step takes it with: `{'path', 'returned', 'expected'}`. A
+    step whose outputs are not valid inputs of the next cannot be stepped again."""
+    from parity.analysis.compare import path_str
+
+    expected = jax.tree.leaves(step.input_shardings[0][:2])
+    returned = [
+        (f"{part}/{path_str(path)}", array)
+        for part, tree in (("params", params), ("opt_state", opt_state))
+        for path, array in jax.tree_util.tree_flatten_with_path(tree)[0]
+    ]
+    out = []
+    for (path, array), want in zip(returned, expected, strict=True):
+        have = getattr(array, "sharding", None)
+        if have is None or have.is_equivalent_to(want, array.ndim):
+            continue
+        shown = {"returned": getattr(have, "spec", have), "expected": getattr(want, "spec", want)}
+        out.append({"path": path, **{k: str(v) for k, v in shown.items()}})
+    return out

@@ -221,6 +221,21 @@ class WorkerSet(dict):
         calls = sum(w.seconds_in_calls for w in self.values())
         return calls, sum(w.transfer_seconds() for w in self.values())
 
+    def describe(self, environments: dict[str, Any]) -> str:
+        """Each side's interpreter, the versions its worker reported, its checkout if any."""
+        parts = []
+        for side, worker in self.items():
+            versions = ", ".join(
+                f"{name} {worker.info[name]}"
+                for name in ("maxtext", "python", "jax", "flax")
+                if name in worker.info
+            )
+            path = environments[side].path
+            parts.append(
+                f"{side}: {worker.python} ({versions})" + (f", checkout {path}" if path else "")
+            )
+        return "; ".join(parts)
+
     def close(self) -> None:
         for worker in self.values():
             worker.close()

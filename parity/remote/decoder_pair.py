@@ -55,16 +55,3 @@ class RemoteDecoderPair(DecoderPair):
 
     def extra_roundtrip_records(self, source: str) -> list[dict]:
         return []  # the layout round trip runs the converters of this process, not the sides'
-
-
-def describe(pair: RemoteDecoderPair) -> str:
-    """Each side's interpreter, checkout and versions, for the progress line."""
-    parts = []
-    for side, worker in pair.workers.items():
-        info, env = worker.info, pair.environments[side]
-        where = f", checkout {env.path}" if env.path else ""
-        parts.append(
-            f"{side}: {worker.python} (python {info.get('python')}, jax {info.get('jax')}, "
-            f"flax {info.get('flax')}){where}"
-        )
-    return "; ".join(parts)

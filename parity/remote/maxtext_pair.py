@@ -101,14 +101,3 @@ class MaxTextPair(Pair):
 
     def vacuity(self, run: Run) -> list[str]:
         return vacuity_problems(run, int(self.keys["vocab_size"]))
-
-
-def describe(pair: MaxTextPair) -> str:
-    parts = []
-    for side, worker in pair.workers.items():
-        info = worker.info
-        parts.append(
-            f"{side}: {worker.python} (maxtext {info.get('maxtext', '?')}, python "
-            f"{info.get('python')}, jax {info.get('jax')}, flax {info.get('flax')})"
-        )
-    return "; ".join(parts)

@@ -206,7 +206,11 @@ class Server:
         new_params, new_opt, metrics = _model(
             lambda: step(self.held[params], self.held[opt_state], placed)
         )
-        mismatches = _returned_sharding_mismatches(step, new_params, new_opt)
+        from parity.engine.side import returned_sharding_mismatches
+
+        mismatches = []
+        if hasattr(step, "input_shardings"):  # a compiled step: its outputs must fit it again
+            mismatches = returned_sharding_mismatches(step, new_params, new_opt)
         metrics = jax.device_get(metrics)
         return {
             "params": self.hold(new_params),
@@ -254,34 +258,6 @@ def _sharding_record(actual: Any, ndim: int, declared: Any) -> dict:
         "ndim": int(ndim),
         "declared": _one_sharding(declared),
     }
-
-
-def _returned_sharding_mismatches(step: Any, params: Any, opt_state: Any) -> list[dict]:
-    """Each returned array whose sharding is not the one the compiled step takes it with."""
-    import jax
-
-    shardings = getattr(step, "input_shardings", None)
-    if shardings is None:
-        return []
-    expected = jax.tree.leaves(shardings[0][:2])
-    returned = [
-        (f"{part}/{'/'.join(_path_part(p) for p in path)}", array)
-        for part, tree in (("params", params), ("opt_state", opt_state))
-        for path, array in jax.tree_util.tree_flatten_with_path(tree)[0]
-    ]
-    out = []
-    for (path, array), want in zip(returned, expected, strict=False):
-        have = getattr(array, "sharding", None)
-        if have is None or have.is_equivalent_to(want, array.ndim):
-            continue
-        out.append(
-            {
-                "path": path,
-                "returned": str(getattr(have, "spec", have)),
-                "expected": str(getattr(want, "spec", want)),
-            }
-        )
-    return out
 
 
 def _error_reply(error: BaseException, where: str) -> dict:
