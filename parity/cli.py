@@ -320,7 +320,8 @@ def _run_maxtext(positional: Sequence[str]) -> int:
     selected = _select_checks() if FLAGS.checks else list(maxtext_config.CHECKS)
     if isinstance(selected, str):
         return usage_error(selected)
-    local_only = [c for c in selected if c in remote_environments.LOCAL_ONLY]
+    local_only = set(remote_environments.LOCAL_ONLY) - set(maxtext_config.OWN_CHECKS)
+    local_only = [c for c in selected if c in local_only]
     if local_only:
         progress(f"not across processes, skipped: {', '.join(local_only)}")
     selected = [c for c in selected if c not in local_only]

@@ -44,3 +44,46 @@ def scaled_logits() -> None:
         type(model.decoder).__call__ = call
 
     _wrap_from_config(change)
+
+
+def dropped_query_scale() -> None:
+    """The query kernels initialised without MaxText's folded `1/sqrt(head_dim)` (the scale
+    dropped: every query kernel `sqrt(head_dim)` times too large)."""
+
+    def change(model) -> None:
+        from flax import nnx
+
+        for path, node in nnx.iter_graph(model):
+            tail = tuple(str(p) for p in path[-3:])
+            if isinstance(node, nnx.Param) and tail == ("self_attention", "query", "kernel"):
+                value = node.get_value()
+                node.set_value(value * value.shape[-1] ** 0.5)
+
+    _wrap_from_config(change)
+
+
+def saved_everything_in_the_pipeline() -> None:
+    """The pipeline iterations' remat policy changed to save every intermediate (a port that
+    dropped `remat_policy` and its `iteration_input` names): the same numbers, more memory."""
+    import jax
+    from maxtext.layers import pipeline
+
+    pipeline.PipelineBase.get_pipeline_remat_policy = lambda self: (
+        jax.checkpoint_policies.everything_saveable
+    )
+
+
+def reversed_stage_order() -> None:
+    """Stage s runs the layers of stage S-1-s (the stage axis of the pipeline's weights read
+    backwards)."""
+    import jax
+    import jax.numpy as jnp
+    from maxtext.layers import pipeline
+
+    original = pipeline.NNXPipeline.get_current_stage_weights
+
+    def get_current_stage_weights(self, *args, **kwargs):
+        weights = original(self, *args, **kwargs)
+        return jax.tree.map(lambda w: jnp.flip(w, 0) if getattr(w, "ndim", 0) else w, weights)
+
+    pipeline.NNXPipeline.get_current_stage_weights = get_current_stage_weights

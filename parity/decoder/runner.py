@@ -26,6 +26,7 @@ def run_checks(
     lines: (results, seconds per check). `drill_down`: run `layers` by itself when forward or
     grads fails."""
     results, durations = [], []
+    table = {**CHECKS, **getattr(pair, "own_checks", {})}  # a pair's own form of a check
 
     def run_check(name: str, check: Callable[[], Any]) -> None:
         cli_support.raise_if_interrupted()
@@ -46,13 +47,13 @@ def run_checks(
     for name in selected:
         if name == "train":
             on_step = StepProgress(steps)
-            run_check(name, lambda on_step=on_step: CHECKS["train"](pair, steps, on_step))
+            run_check(name, lambda on_step=on_step: table["train"](pair, steps, on_step))
         else:
-            run_check(name, lambda name=name: CHECKS[name](pair))
+            run_check(name, lambda name=name: table[name](pair))
     failed = any(r.name in ("forward", "grads") and r.status == "failed" for r in results)
     if drill_down and failed and "layers" not in selected:
         progress("forward or grads failed: drilling down per layer")
-        run_check("layers", lambda: CHECKS["layers"](pair))
+        run_check("layers", lambda: table["layers"](pair))
     for name, check in after:
         run_check(name, check)
     return results, durations

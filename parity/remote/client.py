@@ -187,7 +187,9 @@ class Worker:
             except (OSError, subprocess.TimeoutExpired, ValueError):
                 process.kill()
                 process.wait(timeout=30)
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if getattr(self, "directory", None) is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None  # closed: a second close (at exit, `__del__`) does nothing
 
     def __del__(self) -> None:
         self.close()

@@ -88,19 +88,24 @@ class MaxTextSide:
                 keys = dict(zip(streams, jax.random.split(jax.random.key(0), 3), strict=True))
                 ones = jnp.ones(shape, jnp.int32)
                 boxed = jax.jit(lambda: model.init(keys, ones, ones))()
-                self._apply = lambda plain, batch: model.apply(
-                    plain, batch["inputs"], batch["inputs_position"],
-                    decoder_segment_ids=batch["inputs_segmentation"], enable_dropout=False,
-                    rngs={"dropout": keys["dropout"], "params": keys["aqt"]},
-                    mutable=["intermediates"],
-                )[0]  # fmt: skip
+
+                def call(plain: Any, batch: Any) -> tuple[Any, Any]:
+                    logits, mutated = model.apply(
+                        plain, batch["inputs"], batch["inputs_position"],
+                        decoder_segment_ids=batch["inputs_segmentation"], enable_dropout=False,
+                        rngs={"dropout": keys["dropout"], "params": keys["aqt"]},
+                        mutable=["intermediates"],
+                    )  # fmt: skip
+                    return logits, mutated.get("intermediates", {})
+
+                self._call = call
                 return {"params": boxed["params"]}
             rngs = nnx.Rngs(params=0, dropout=1, aqt=2)
             model = model_creation_utils.from_config(self.config, mesh=self.mesh, rngs=rngs)
             graphdef, params, rest = nnx.split(model, nnx.Param, ...)
             self._graph = (graphdef, params, rest)
 
-            def apply(plain: Any, batch: Any) -> Any:
+            def call(plain: Any, batch: Any) -> tuple[Any, Any]:
                 state = jax.tree.map(lambda x: x, params)
                 nnx.replace_by_pure_dict(state, plain["params"])
                 merged = nnx.merge(graphdef, state, rest, copy=True)
@@ -108,9 +113,10 @@ class MaxTextSide:
                     batch["inputs"], batch["inputs_position"],
                     decoder_segment_ids=batch["inputs_segmentation"], enable_dropout=False,
                 )  # fmt: skip
-                return out[0] if isinstance(out, tuple) else out
+                sown = nnx.to_pure_dict(nnx.state(merged, nnx.Intermediate))
+                return (out[0] if isinstance(out, tuple) else out), sown
 
-            self._apply = apply
+            self._call = call
             return params
 
     # ------------------------------------------------------------ weights
@@ -220,7 +226,7 @@ class MaxTextSide:
         import jax
         import jax.numpy as jnp
 
-        logits = self._apply(plain, batch)
+        logits = self._call(plain, batch)[0]
         log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         xent = -jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1)[..., 0]
         mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)

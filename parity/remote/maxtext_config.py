@@ -25,7 +25,11 @@ MAX_BYTES = 1 << 16
 REQUIRED = ("per_device_batch_size", "max_target_length", "vocab_size")
 # The releases the weight map knows, and where `make maxtext-envs` puts each one.
 RELEASES = {"linen": "0.2.3", "nnx": "0.2.5"}
-CHECKS = ("roundtrip", "init", "forward", "grads", "sharding", "train")  # the default set
+CHECKS = ("roundtrip", "init", "forward", "grads", "sharding", "train", "compile")  # the default
+# The checks this gate computes its own way (the decoder's read the twins' functions directly):
+# `compile` from the programs the workers compiled (`parity.remote.maxtext_cost`); `layers`
+# says what MaxText does not expose (`maxtext_pair.LAYERS_NOT_EXPOSED`).
+OWN_CHECKS = ("compile", "layers")
 ICI = re.compile(r"^ici_(\w+)_parallelism$")
 
 

@@ -163,7 +163,9 @@ class Server:
     def op_program(self, handle: int) -> dict:
         weights = self.held[handle]
         lowered = _model(lambda: self.side.lowered(weights))
+        start = time.perf_counter()
         compiled = _model(lambda: self.side.compiled(weights))
+        compile_seconds = time.perf_counter() - start
         try:
             lowered_text = lowered.as_text(dialect="hlo", debug_info=True)
         except TypeError:  # an older jax without the keywords
@@ -186,6 +188,8 @@ class Server:
             "memory": memory_fields,
             "cost": {k: float(v) for k, v in cost.items() if isinstance(v, int | float)},
             "shardings": shardings,
+            "compile_seconds": compile_seconds,
+            "mesh_shape": dict(mesh.shape) if (mesh := getattr(self.side, "mesh", None)) else None,
         }
 
     def op_trainer(self, handle: int) -> dict:
