@@ -137,7 +137,7 @@ def test_a_maxtext_checkpoint_into_the_twins_and_back_is_bit_exact(
     if layout == "reference":  # the query scaled by sqrt(head_dim), exactly
         assert np.array_equal(np.asarray(twin_query), query * 4)
 
-    maxtext_commands.from_twins(tmp_path / "twins", tmp_path / "back", cfg, framework)
+    maxtext_commands.from_twins(tmp_path / "twins", tmp_path / "back", cfg, verify=True)
     original, again = maxtext.read(checkpoint), maxtext.read(tmp_path / "back" / "2")
     assert set(again) == set(original)
     for path in original:

@@ -126,7 +126,11 @@ def _flatten(tree: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], A
     elif isinstance(tree, list | tuple):
         items = enumerate(tree)
     else:
-        return {} if tree is None else {prefix: np.asarray(jax.device_get(tree))}
+        if tree is None:
+            return {}
+        if jax.dtypes.issubdtype(getattr(tree, "dtype", np.float32), jax.dtypes.prng_key):
+            tree = jax.random.key_data(tree)  # 0.2.5's RNG state: typed keys
+        return {prefix: np.asarray(jax.device_get(tree))}
     out: dict[tuple[str, ...], Any] = {}
     for key, value in items:
         out.update(_flatten(value, (*prefix, str(key))))
