@@ -13,7 +13,9 @@ arithmetic, `docs/maxtext.md`):
 - `restored/first_step`: the step each release's loop executes first;
 - `step N/...`: one more step of each release's `train.py` from its restored state: the loss,
   the grad norm (raw and clipped) as MaxText logs them, and every leaf of the state each
-  release then restores from its new checkpoint.
+  release then restores from its new checkpoint;
+- `reverse/...`: 0.2.3 restoring the checkpoint 0.2.5 wrote after that step, against 0.2.5's
+  own restore of it, and the step 0.2.3 would execute first.
 A leaf present on one side only is a failed record naming the path; a differing one has both
 values' largest difference.
 """
@@ -191,6 +193,10 @@ def cross_release(
             linen, "restore", directory=root, run_name="resumed-linen", steps=steps + 2
         )
         after_n, _ = call(nnx, "restore", directory=root, run_name="resumed-nnx", steps=steps + 2)
+        # the reverse: 0.2.3 restores what 0.2.5 wrote (it ignores 0.2.5's nnx_aux)
+        reverse_l, reverse_facts = call(
+            linen, "restore", directory=root, run_name="resumed-nnx", steps=steps + 2
+        )
     finally:
         workers.close()
     records = state_records("restored", restored_l, restored_n)
@@ -200,6 +206,11 @@ def cross_release(
     )
     records += metric_records(f"step {steps}", trained_l["metrics"], trained_n["metrics"], steps)
     records += state_records(f"step {steps}", after_l, after_n)
+    records += state_records("reverse", reverse_l, after_n)
+    records.append(
+        result.fact_record("reverse/first_step", reverse_facts["first_step"] == steps + 1,
+                           reverse_facts["first_step"], steps + 1)
+    )  # fmt: skip
     problems = vacuity(restored_l, written["metrics"] + trained_l["metrics"])
     verdict = result.verdict(
         "checkpoint",
