@@ -199,7 +199,9 @@ def _run(argv: Sequence[str]) -> int:
     args = list(argv[1:])
     if not args or args[0] not in COMMANDS:
         got = f" {args[0]!r}" if args else ""
-        return usage_error(f"expected a command, convert or init, got{got or ' none'}\n{USAGE}")
+        return usage_error(
+            f"expected a command, convert, init or compare, got{got or ' none'}\n{USAGE}"
+        )
     command, positional = args[0], args[1:]
     count = 1 if command == "init" else 2
     if not FLAGS.config:

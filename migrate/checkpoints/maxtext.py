@@ -104,7 +104,10 @@ def read(path: str | Path) -> dict[tuple[str, ...], np.ndarray]:
     items = step_directory(path) / "items"
     checkpointer = ocp.PyTreeCheckpointer()
     try:
-        restored = checkpointer.restore(items)
+        tree = checkpointer.metadata(items).item_metadata
+        # host arrays, whatever mesh wrote them (no devices needed, any topology)
+        as_numpy = _tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        restored = checkpointer.restore(items, restore_args=as_numpy)
     except Exception as e:  # Orbax and TensorStore errors name the file, not the leaf
         raise CheckpointError(f"{items}: cannot read: {_cause(e)}") from None
     return _flatten(restored)
@@ -116,6 +119,15 @@ def _cause(error: BaseException) -> str:
     return (
         f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error) else ''}"
     )
+
+
+def _tree_map(fn: Any, tree: Any) -> Any:
+    """`fn` over the leaves of Orbax's tree metadata (mappings, lists; None kept)."""
+    if hasattr(tree, "keys"):
+        return {k: _tree_map(fn, tree[k]) for k in tree.keys()}  # noqa: SIM118 (not a dict)
+    if isinstance(tree, list | tuple):
+        return type(tree)(_tree_map(fn, v) for v in tree)
+    return None if tree is None else fn(tree)
 
 
 def _flatten(tree: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
