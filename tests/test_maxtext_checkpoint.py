@@ -242,3 +242,60 @@ def test_migrate_converts_and_compares_maxtext_checkpoints_with_its_exit_codes(c
     again = run("migrate", "convert", *common, "--from=maxtext", "--to=nnx", str(checkpoint),
                 twins, *TWIN_KEYS, timeout=300)  # fmt: skip
     assert status(again)[0] == 2 and "already exists" in status(again)[1], status(again)
+
+
+# ------------------------------------------------------------------ the gate's comparison
+
+
+def _states(rng):
+    """A Linen-layout state and the same state as 0.2.5's TrainStateNNX would hold it."""
+    kernel = rng.standard_normal((4, 8)).astype(np.float32)
+    mu, nu = kernel * 0.1, kernel**2
+    linen = {
+        ("step",): np.int32(3),
+        ("params", "params", "decoder", "w", "kernel"): kernel,
+        ("opt_state", "0", "count"): np.int32(3),
+        ("opt_state", "0", "mu", "params", "decoder", "w", "kernel"): mu,
+        ("opt_state", "0", "nu", "params", "decoder", "w", "kernel"): nu,
+    }
+    nnx = {
+        ("optimizer", "step"): np.uint32(3),
+        ("model", "decoder", "w", "kernel"): kernel.copy(),
+        ("model", "decoder", "rngs", "dropout", "key"): np.zeros(4, np.uint32),
+        ("optimizer", "opt_state", "0", "count"): np.int32(3),
+        ("optimizer", "opt_state", "0", "mu", "decoder", "w", "kernel"): mu.copy(),
+        ("optimizer", "opt_state", "0", "nu", "decoder", "w", "kernel"): nu.copy(),
+    }
+    return linen, nnx
+
+
+def test_the_gate_names_a_differing_leaf_a_missing_leaf_and_an_undeclared_dtype():
+    from parity.remote.maxtext_checkpoint import state_records, vacuity
+
+    linen, nnx = _states(np.random.default_rng(0))
+    records = state_records("restored", linen, nnx)
+    assert all(r["passed"] for r in records), [r for r in records if not r["passed"]]
+    assert [r["kind"] for r in records if r["tensor"].startswith("restored/nnx-only")] == ["rng"]
+    assert vacuity(linen, [{"learning/loss": 5.0}]) == []
+
+    moved = dict(nnx)
+    moved[("optimizer", "opt_state", "0", "mu", "decoder", "w", "kernel")] = nnx[
+        ("optimizer", "opt_state", "0", "mu", "decoder", "w", "kernel")
+    ] * np.float32(1 + 2**-20)
+    failing = [r for r in state_records("restored", linen, moved) if not r["passed"]]
+    assert [r["tensor"] for r in failing] == ["restored/opt_state/0/mu/params/decoder/w/kernel"]
+    assert failing[0]["max_abs"] > 0
+
+    missing = {k: v for k, v in nnx.items() if k[-1] != "count"}
+    failing = [r for r in state_records("restored", linen, missing) if not r["passed"]]
+    assert [(r["tensor"], r["note"]) for r in failing] == [
+        ("restored/opt_state/0/count", "in 0.2.3 (Linen) only")
+    ]
+    wide = {**nnx, ("optimizer", "step"): np.int64(3)}
+    failing = [r for r in state_records("restored", linen, wide) if not r["passed"]]
+    assert [(r["tensor"], r["note"]) for r in failing] == [("restored/step", "dtype differs")]
+
+    zeros = {k: (np.zeros_like(v) if "mu" in k else v) for k, v in linen.items()}
+    assert vacuity(zeros, [{"learning/loss": 5.0}]) == [
+        "the written checkpoint's Adam mu is all zero"
+    ]
