@@ -282,7 +282,13 @@ def main(argv: list[str]) -> int:
         with tempfile.TemporaryDirectory(prefix="maxtext-checkpoint-") as directory:
             verdict, facts = cross_release(config, environments, Path(directory))
         for row in kind_table(verdict.details):
-            print(row, file=sys.stderr)
+            print(
+                f"{row['where']:>10} {row['kind']:>7}: {row['leaves']:3d} leaves, "
+                f"{row['equal']} equal, {row['mapped']} mapped, {row['differs']} differ, "
+                f"{row.get('one_side', 0)} on one side only, max_abs {row['max_abs']:.3g}"
+                + (f" ({row['dtype']})" if row["dtype"] else ""),
+                file=sys.stderr,
+            )
         print(f"first step (0.2.3, 0.2.5): {facts['first_step']}", file=sys.stderr)
         report.render_table([verdict], config.model_name)
         return result.EXIT_STATUS[verdict.status]
