@@ -220,16 +220,18 @@ def from_twins(
     cfg: Config,
     force: bool = False,
     verify: bool = False,
+    how: str | None = None,
 ) -> MaxTextOutcome:
     """The twins checkpoint at `src` (either framework and layout) as a MaxText checkpoint
-    (Linen layout, as both releases write and restore it; stacked as `cfg` pipelines) under
+    (Linen layout, as both releases write and restore it; stacked as `how` says, by default as
+    `cfg` pipelines) under
     the checkpoints root `dst` (`dst/<step - 1>/items`); with `verify`, read back and compared
     bit for bit before it is moved into place."""
     import orbax.checkpoint as ocp
 
     src, dst = Path(src).absolute(), Path(dst).absolute()
     destination.check_destination(src, dst, force)
-    how = stacking_for(cfg)
+    how = how or stacking_for(cfg)
     flat = twins_as_maxtext(src, cfg, how)
     step = int(flat[("step",)])
     tree: dict[str, Any] = {}
