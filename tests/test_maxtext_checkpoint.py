@@ -110,7 +110,8 @@ def test_the_map_moves_maxtexts_scan_axis_and_scales_only_the_query():
 @pytest.mark.slow
 def test_a_0_2_3_checkpoint_restored_and_trained_by_0_2_5_is_bit_exact(crossed):
     """Every parameter, both Adam moments, the counts and the step restore bit for bit (the
-    step's dtype difference declared), both loops resume at the step after the written one,
+    step's dtype difference declared), each release's restored model gives the same logits,
+    both loops resume at the step after the written one,
     and one more step gives the same loss, grad norms and every updated leaf."""
     from parity.remote.maxtext_checkpoint import kind_table
 
@@ -125,6 +126,7 @@ def test_a_0_2_3_checkpoint_restored_and_trained_by_0_2_5_is_bit_exact(crossed):
         assert rows[where, "step"]["dtype"] == "0.2.3 int32 vs 0.2.5 uint32"
         assert rows[where, "rng"]["one_side"] == 12  # 0.2.5's RNG state, listed
     tensors = {r["tensor"]: r for r in verdict.details}
+    assert tensors["restored/logits"]["mismatches"] == 0  # each restored model's own logits
     loss = tensors[f"step {WRITTEN_STEPS}/learning/loss"]
     assert loss["linen"] == loss["nnx"] and 0 < loss["linen"] < np.log(128) + 1
 

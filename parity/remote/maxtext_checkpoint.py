@@ -10,6 +10,7 @@ arithmetic, `docs/maxtext.md`):
   by the declared `migrate.checkpoints.maxtext_state.NNX_TO_LINEN`) against the state 0.2.3
   restores from the same files: every parameter, both Adam moments, the counts, the step
   (its value; the dtype difference is declared); NNX-only leaves (RNG state) are listed;
+- `restored/logits`: each release's restored model's own logits on the same tokens;
 - `restored/first_step`: the step each release's loop executes first;
 - `step N/...`: one more step of each release's `train.py` from its restored state: the loss,
   the grad norm (raw and clipped) as MaxText logs them, and every leaf of the state each
@@ -35,8 +36,10 @@ import numpy as np
 from migrate.checkpoints import maxtext_state
 from parity.analysis import compare
 from parity.engine import result
+from parity.remote import maxtext_pair
 from parity.remote.client import Worker, WorkerSet
 from parity.remote.maxtext_config import MaxTextConfig
+from parity.remote.maxtext_train import LOGITS
 
 FACTORY = "parity.remote.maxtext_train:make"
 METRICS = ("learning/loss", "learning/grad_norm", "learning/raw_grad_norm")
@@ -167,12 +170,12 @@ def cross_release(
         )
         for side in ("linen", "nnx"):
             shutil.copytree(directory / "written", directory / f"resumed-{side}")
-        restored_l, facts_l = call(
-            linen, "restore", directory=root, run_name="resumed-linen", steps=steps + 1
-        )
-        restored_n, facts_n = call(
-            nnx, "restore", directory=root, run_name="resumed-nnx", steps=steps + 1
-        )
+        tokens = maxtext_pair.batch(config.keys, config.num_devices, 0, 0, "eval")["inputs"]
+        restored_l, facts_l = call(linen, "restore", directory=root, run_name="resumed-linen",
+                                   steps=steps + 1, tokens=tokens.tolist())  # fmt: skip
+        restored_n, facts_n = call(nnx, "restore", directory=root, run_name="resumed-nnx",
+                                   steps=steps + 1, tokens=tokens.tolist())  # fmt: skip
+        logits_l, logits_n = restored_l.pop(LOGITS), restored_n.pop(LOGITS)
         _, trained_l = call(
             linen,
             "train",
@@ -200,6 +203,8 @@ def cross_release(
     finally:
         workers.close()
     records = state_records("restored", restored_l, restored_n)
+    logits = compare.leaf_diff("logits", logits_n, logits_l)
+    records += result.numeric_records("restored", [logits], TOLERANCE)
     first = (facts_l["first_step"], facts_n["first_step"])
     records.append(
         result.fact_record("restored/first_step", first[0] == first[1] == steps, first[0], first[1])
@@ -212,6 +217,8 @@ def cross_release(
                            reverse_facts["first_step"], steps + 1)
     )  # fmt: skip
     problems = vacuity(restored_l, written["metrics"] + trained_l["metrics"])
+    if np.ptp(logits_l) == 0:
+        problems.append("the restored model's logits are constant")
     verdict = result.verdict(
         "checkpoint",
         records,

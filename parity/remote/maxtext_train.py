@@ -37,6 +37,7 @@ DEFAULTS = {
     "dropout_rate": 0.0,
     "jax_cache_dir": "",
 }
+LOGITS = ("__logits__",)  # where `restore` puts the model's logits among the state's paths
 LOADERS = {  # MaxText data modules that synthetic data never calls, and what they export
     "grain_data_processing": ("make_grain_train_iterator", "make_grain_eval_iterator"),
     "hf_data_processing": ("make_hf_train_iterator", "make_hf_eval_iterator"),
@@ -128,16 +129,20 @@ class MaxTextTraining:
         lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         return {}, {"metrics": lines}
 
-    def restore(self, directory: str, run_name: str, steps: int) -> tuple[dict, dict]:
+    def restore(
+        self, directory: str, run_name: str, steps: int, tokens: list | None = None
+    ) -> tuple[dict, dict]:
         """The state this release's `train.py` would resume `run_name` from (its own
         `setup_train_loop`: checkpoint manager, restore, shardings), as plain arrays keyed by
-        the release's own state paths, and the step its loop would execute first."""
+        the release's own state paths, and the step its loop would execute first; with
+        `tokens` (`[batch, length]`), also the restored model's own logits on them, under
+        `LOGITS`."""
         import jax
         from flax import nnx
 
         config, recorder = self.trainer.initialize(self._run_keys(directory, run_name, steps))
         setup = self.trainer.train_utils.setup_train_loop(config, recorder)
-        model, state = setup[3], setup[10]
+        model, mesh, state = setup[3], setup[4], setup[10]
         first_step = self.trainer.get_first_step(model, state)
         if self.framework == "nnx":
             tree = nnx.to_pure_dict(nnx.state(state))
@@ -145,8 +150,47 @@ class MaxTextTraining:
             tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
         flat = _plain(tree)
         dtypes = {"/".join(k): str(v.dtype) for k, v in flat.items()}
+        if tokens is not None:
+            flat[LOGITS] = self._logits(model, mesh, config, state, tokens)
         jax.clear_caches()
         return flat, {"first_step": int(first_step), "dtypes": dtypes}
+
+    def _logits(self, model: Any, mesh: Any, config: Any, state: Any, tokens: list) -> Any:
+        """The restored model's logits (no dropout), under MaxText's mesh and rules, the batch
+        placed by its data sharding; positions 0.. and one segment per row."""
+        import jax
+        import numpy as np
+        from flax import nnx
+        from flax.linen import partitioning as nn_partitioning
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        ids = np.asarray(tokens, np.int32)
+        positions = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape).copy()
+        data = NamedSharding(mesh, PartitionSpec(*[tuple(a) for a in config.data_sharding]))
+        ids, positions, segments = (jax.device_put(x, data) for x in (ids, positions, ids * 0 + 1))
+        with jax.set_mesh(mesh), nn_partitioning.axis_rules(config.logical_axis_rules):
+            if self.framework == "nnx":
+                graphdef, weights = nnx.split(state.model)
+
+                def forward(weights: Any, *inputs: Any) -> Any:
+                    out = nnx.merge(graphdef, weights)(
+                        inputs[0], inputs[1], decoder_segment_ids=inputs[2], enable_dropout=False
+                    )
+                    return out[0] if isinstance(out, tuple) else out
+
+                logits = jax.jit(forward)(weights, ids, positions, segments)
+            else:
+                key = jax.random.key(0)
+
+                def forward(params: Any, *inputs: Any) -> Any:
+                    return model.apply(
+                        {"params": params}, inputs[0], inputs[1], decoder_segment_ids=inputs[2],
+                        enable_dropout=False, rngs={"dropout": key, "params": key},
+                        mutable=["intermediates"],
+                    )[0]  # fmt: skip
+
+                logits = jax.jit(forward)(state.params["params"], ids, positions, segments)
+        return np.asarray(jax.device_get(logits))
 
 
 def make(options: dict[str, Any], batch: Any) -> tuple[MaxTextTraining, Any]:
