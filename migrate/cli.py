@@ -3,6 +3,9 @@
     migrate convert --config=CONFIG --from=linen|nnx --to=nnx|linen SRC DST [key=value ...]
             [--layout=pipeline|reference] [--dtype=float32|bfloat16] [--force] [--verify]
             [--verify_forward]
+    migrate convert --config=CONFIG --from=maxtext --to=linen|nnx RUN/checkpoints/N DST [...]
+    migrate convert --config=CONFIG --from=linen|nnx --to=maxtext SRC ROOT [...] (ROOT/N/items)
+    migrate compare --config=CONFIG A B [key=value ...]  (any two: twins, MaxText 0.2.3/0.2.5)
     migrate init --config=CONFIG --framework=linen|nnx DST [key=value ...]
             [--layout=pipeline|reference] [--force]
     (either: --verbose prints the traceback of an internal error)
@@ -43,8 +46,9 @@ from migrate.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_USAGE, BadI
 from migrate.runtime import cli_help, cli_support, memory
 from migrate.runtime.devices import ensure_simulated_devices
 
-COMMANDS = ("convert", "init")
+COMMANDS = ("convert", "init", "compare")
 FRAMEWORKS = ("linen", "nnx")
+KINDS = (*FRAMEWORKS, "maxtext")  # convert: a MaxText checkpoint on either side
 LAYOUTS = ("pipeline", "reference")
 DTYPES = ("float32", "bfloat16")
 EXIT_OK, EXIT_VERIFY_FAILED = EXIT_PASS, EXIT_FAIL
@@ -52,10 +56,14 @@ __all__ = ["EXIT_INTERNAL", "EXIT_OK", "EXIT_USAGE", "EXIT_VERIFY_FAILED", "main
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("config", None, "Model config YAML (over configs/base.yml).", flag_values=FLAGS)
-flags.DEFINE_enum("from", None, FRAMEWORKS, "convert: the source's framework.", flag_values=FLAGS)
 flags.DEFINE_enum(
-    "to", None, FRAMEWORKS, "convert: the destination's framework.", flag_values=FLAGS
-)
+    "from", None, KINDS, "convert: the source's framework (maxtext: a MaxText step directory).",
+    flag_values=FLAGS,
+)  # fmt: skip
+flags.DEFINE_enum(
+    "to", None, KINDS, "convert: the destination's framework (maxtext: a checkpoints root).",
+    flag_values=FLAGS,
+)  # fmt: skip
 flags.DEFINE_enum("framework", None, FRAMEWORKS, "init: the framework.", flag_values=FLAGS)
 flags.DEFINE_enum(
     "layout",
@@ -191,9 +199,11 @@ def _run(argv: Sequence[str]) -> int:
     args = list(argv[1:])
     if not args or args[0] not in COMMANDS:
         got = f" {args[0]!r}" if args else ""
-        return usage_error(f"expected a command, convert or init, got{got or ' none'}\n{USAGE}")
+        return usage_error(
+            f"expected a command, convert, init or compare, got{got or ' none'}\n{USAGE}"
+        )
     command, positional = args[0], args[1:]
-    count = 2 if command == "convert" else 1
+    count = 1 if command == "init" else 2
     if not FLAGS.config:
         return usage_error("--config is required (for example --config=configs/llama2-tiny.yml)")
     if len(positional) < count or any("=" in p for p in positional[:count]):
@@ -205,6 +215,8 @@ def _run(argv: Sequence[str]) -> int:
     source, target = (FLAGS["from"].value, FLAGS.to)
     if command == "convert" and (source is None or target is None):
         return usage_error("convert: --from and --to are required (linen or nnx)")
+    if command == "compare" or "maxtext" in (source, target):
+        return _maxtext(command, paths, load_config(FLAGS.config), parse_overrides(overrides))
     if command == "init" and FLAGS.framework is None:
         return usage_error("init: --framework is required (linen or nnx)")
     cfg = load_config(FLAGS.config)
@@ -262,6 +274,26 @@ def _run(argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
+def _maxtext(command: str, paths: list[str], cfg: Config, changes: Mapping[str, Any]) -> int:
+    """`convert` with a MaxText checkpoint on one side (`migrate.checkpoints.maxtext`), and
+    `compare` of two checkpoints of any kind, on MaxText's paths."""
+    source, target = FLAGS["from"].value, FLAGS.to
+    if command == "convert" and source == target:
+        return usage_error("convert: --from=maxtext --to=maxtext is not a conversion")
+    if FLAGS.dtype or FLAGS.verify_forward:
+        return usage_error("--dtype and --verify_forward: not with a MaxText checkpoint")
+    cfg = with_changes(cfg, changes)
+    if command == "convert":  # the destination refused before JAX starts
+        destination.check_destination(Path(paths[0]), Path(paths[1]), FLAGS.force)
+    ensure_simulated_devices(cfg.num_devices)
+    from migrate.checkpoints import maxtext_commands
+
+    layout = FLAGS.layout or ("pipeline" if cfg.using_pipeline else "reference")
+    return maxtext_commands.run_command(
+        command, paths, cfg, (source, target), layout, FLAGS.force, FLAGS.verify
+    )
+
+
 COMMAND_HELP = (
     (
         "convert",
@@ -270,6 +302,11 @@ COMMAND_HELP = (
         "--verify_forward runs `parity --checks=forward` on the result",
     ),
     ("init", "a fresh checkpoint of either twin's own initialisation, in either layout"),
+    (
+        "compare",
+        "two checkpoints of any kind (either twin, either layout, MaxText 0.2.3 or 0.2.5) leaf "
+        "by leaf on MaxText's paths: exit 0 bit-identical, 1 they differ (each named)",
+    ),
 )
 EXIT_STATUSES = (
     ("0", "the checkpoint was written"),

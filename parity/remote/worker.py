@@ -228,6 +228,17 @@ class Server:
         loss = _model(lambda: self.held[trainer].evaluate(self.held[params], placed))
         return {"tree": self.send_tree({"loss": loss})}
 
+    def op_call(self, method: str, kwargs: dict) -> dict:
+        """One of the side's `remote_methods` (a job beyond the Side protocol: a training run,
+        a restore), returning `(flat arrays by path, JSON-able facts)`."""
+        if method not in getattr(self.side, "remote_methods", ()):
+            raise protocol.ProtocolError(f"the side serves no method {method!r}")
+        arrays, facts = _model(lambda: getattr(self.side, method)(**kwargs))
+        start = time.perf_counter()
+        manifest = protocol.write_tree(self.directory, arrays.items())
+        self.io_seconds += time.perf_counter() - start
+        return {"tree": manifest, "facts": facts}
+
     def op_stats(self) -> dict:
         return {"io_seconds": self.io_seconds}
 

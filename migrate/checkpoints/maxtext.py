@@ -1,0 +1,215 @@
+"""MaxText checkpoints <-> the twins' checkpoints, through a declared weight map.
+
+A MaxText checkpoint is a step directory of its `CheckpointManager` (`RUN/checkpoints/<n>/`,
+the state under `items/`) in the Linen layout that both releases write: `{step, params:
+{params: ...}, opt_state: [{count, mu: {params: ...}, nu: {params: ...}}, None, {count}]}`;
+0.2.5 adds its RNG state under `nnx_aux` (how the release is detected). `n` is the index of
+the last step executed, `step` the number of steps done (`n + 1`), which is the twins' step.
+
+The map (`twins_map`): names (MaxText's `decoder/...` under `params/params`, the twins'
+reference layout under `params`), the stacking axis (MaxText's pipeline with one layer per
+stage and no repeats stacks the layers on axis 0 like the twins; its scanned decoder puts them
+at `param_scan_axis` 1), and the query scale: MaxText folds `1/sqrt(head_dim)` into the query
+kernel, the twins scale queries in the forward pass, so the twins' query kernel is MaxText's
+times `sqrt(head_dim)`, its Adam `mu` divided by it and `nu` by `head_dim` (the chain rule on
+the gradient). Exact both ways when `sqrt(head_dim)` is a power of two (head_dim 4, 16, 64...).
+Carried: parameters, both moments, the Adam count; MaxText's schedule count (`opt_state/2`)
+equals the Adam count and is rebuilt from it on the way back; 0.2.5's RNG state is dropped
+(reported). Reads hold the checkpoint in host memory once (tiny to mid-size checkpoints).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from migrate.checkpoints.meta import CheckpointError
+from migrate.checkpoints.weight_map import Entry, WeightMap
+
+PREFIX = ("params", "params")
+MOMENTS = ("mu", "nu")
+
+
+def release(flat: dict[tuple[str, ...], Any]) -> str:
+    """The MaxText release that wrote a checkpoint, read off its tree."""
+    return "0.2.5" if any(p[0] == "nnx_aux" for p in flat) else "0.2.3"
+
+
+def query_scale(head_dim: int, kind: str = "params") -> float:
+    """MaxText -> twins factor of the query kernel (`params`) and of its moments."""
+    root = math.sqrt(head_dim)
+    return {"params": root, "mu": 1.0 / root, "nu": 1.0 / head_dim}[kind]
+
+
+def twins_map(head_dim: int, kind: str = "params", stacking: str = "pipeline") -> WeightMap:
+    """MaxText's parameter paths (under `params/params`, or a moment's) -> the twins'
+    reference layout paths (under `params`), for parameters or one Adam moment; `stacking`:
+    MaxText's `pipeline` (one layer per stage, no repeats) or its `scan`ned decoder."""
+    scale = query_scale(head_dim, kind)
+    query = "self_attention/query/kernel"
+    if stacking == "pipeline":  # stage index = layer index, on axis 0 like the twins
+        layers, move = "decoder/pipeline_module/layers", None
+    else:  # MaxText's scan puts the layer axis at param_scan_axis=1
+        layers, move = "decoder/layers", (1, 0)
+    return WeightMap(
+        f"maxtext ({stacking}) -> twins ({kind})",
+        (
+            Entry("token_embedder/embedding", "token_embedder/embedding"),
+            Entry("decoder/decoder_norm/scale", "decoder_norm/scale"),
+            Entry("decoder/logits_dense/kernel", "logits_dense/kernel"),
+            Entry(f"{layers}/{{path...}}", "layers/{path...}", moveaxis=move),
+            Entry(
+                f"{layers}/{query}",
+                f"layers/{query}",
+                moveaxis=move,
+                scale=scale,
+                note="MaxText folds 1/sqrt(head_dim) into the query kernel",
+            ),
+        ),
+    )
+
+
+def stacking(flat: dict[tuple[str, ...], Any]) -> str:
+    """How a MaxText checkpoint stacks its decoder layers: `pipeline` or `scan`."""
+    return "pipeline" if any("pipeline_module" in p for p in flat) else "scan"
+
+
+def _check_head_dim(head_dim: int) -> None:
+    if not twins_map(head_dim).exact:
+        raise CheckpointError(
+            f"head_dim {head_dim}: sqrt(head_dim) is not a power of two, so the query scale "
+            "is not exact both ways; this converter only writes exact maps"
+        )
+
+
+def step_directory(path: str | Path) -> Path:
+    """`path` as a MaxText step directory (holding `items/_METADATA`), or CheckpointError."""
+    path = Path(path)
+    if not (path / "items" / "_METADATA").is_file():
+        raise CheckpointError(
+            f"{path}: not a MaxText checkpoint step directory (no items/_METADATA; "
+            "pass RUN/checkpoints/<step>)"
+        )
+    return path
+
+
+def read(path: str | Path) -> dict[tuple[str, ...], np.ndarray]:
+    """Every array of a MaxText checkpoint, flat by path, on the host (CheckpointError naming
+    what is missing or unreadable)."""
+    import orbax.checkpoint as ocp
+
+    items = step_directory(path) / "items"
+    checkpointer = ocp.PyTreeCheckpointer()
+    try:
+        tree = checkpointer.metadata(items).item_metadata
+        # host arrays, whatever mesh wrote them (no devices needed, any topology)
+        as_numpy = _tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        restored = checkpointer.restore(items, restore_args=as_numpy)
+    except Exception as e:  # Orbax and TensorStore errors name the file, not the leaf
+        raise CheckpointError(f"{items}: cannot read: {_cause(e)}") from None
+    return _flatten(restored)
+
+
+def _cause(error: BaseException) -> str:
+    while (error.__cause__ or error.__context__) is not None:
+        error = error.__cause__ or error.__context__
+    return (
+        f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error) else ''}"
+    )
+
+
+def _tree_map(fn: Any, tree: Any) -> Any:
+    """`fn` over the leaves of Orbax's tree metadata (mappings, lists; None kept)."""
+    if hasattr(tree, "keys"):
+        return {k: _tree_map(fn, tree[k]) for k in tree.keys()}  # noqa: SIM118 (not a dict)
+    if isinstance(tree, list | tuple):
+        return type(tree)(_tree_map(fn, v) for v in tree)
+    return None if tree is None else fn(tree)
+
+
+def _flatten(tree: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    import jax
+
+    if isinstance(tree, dict):
+        items = tree.items()
+    elif isinstance(tree, list | tuple):
+        items = enumerate(tree)
+    else:
+        if tree is None:
+            return {}
+        if jax.dtypes.issubdtype(getattr(tree, "dtype", np.float32), jax.dtypes.prng_key):
+            tree = jax.random.key_data(tree)  # 0.2.5's RNG state: typed keys
+        return {prefix: np.asarray(jax.device_get(tree))}
+    out: dict[tuple[str, ...], Any] = {}
+    for key, value in items:
+        out.update(_flatten(value, (*prefix, str(key))))
+    return out
+
+
+def to_twins(flat: dict[tuple[str, ...], Any], head_dim: int) -> dict[str, Any]:
+    """A MaxText checkpoint's arrays -> the twins' reference-layout trees: `params` and each
+    moment flat by twin path, the Adam `count`, the `step`, and what was dropped. Strict: a
+    leaf of the checkpoint that is neither mapped nor declared dropped is a WeightMapError."""
+    _check_head_dim(head_dim)
+    trees: dict[str, dict] = {"params": {}, "mu": {}, "nu": {}}
+    counts, dropped, unknown = {}, [], []
+    for path, array in flat.items():
+        if path[:2] == PREFIX:
+            trees["params"][path[2:]] = array
+        elif path[0] == "opt_state" and len(path) > 4 and path[2] in MOMENTS:
+            if path[3] != "params":
+                unknown.append("/".join(path))
+            trees[path[2]][path[4:]] = array
+        elif path[0] == "opt_state" and path[-1] == "count":
+            counts[path[1]] = array
+        elif path == ("step",):
+            continue
+        elif path[0] == "nnx_aux":
+            dropped.append("/".join(path))
+        else:
+            unknown.append("/".join(path))
+    if unknown or ("step",) not in flat or "0" not in counts:
+        missing = [
+            name
+            for name, there in (("step", ("step",) in flat), ("opt_state/0/count", "0" in counts))
+            if not there
+        ]
+        raise CheckpointError(
+            "not a MaxText train state this converter knows: "
+            + "; ".join(
+                [*(f"unexpected leaf {u}" for u in unknown[:5]), *(f"missing {m}" for m in missing)]
+            )
+        )
+    if "2" in counts and not np.array_equal(counts["2"], counts["0"]):
+        raise CheckpointError(
+            f"opt_state/2/count {counts['2']} differs from opt_state/0/count {counts['0']}: "
+            "a schedule count the twins' optimizer cannot carry"
+        )
+    how = stacking(flat)
+    out = {kind: twins_map(head_dim, kind, how).forward(trees[kind]) for kind in trees}
+    return {
+        **out,
+        "count": counts["0"],
+        "step": int(flat[("step",)]),
+        "dropped": dropped,
+        "stacking": how,
+    }
+
+
+def from_twins(
+    trees: dict[str, dict], count: Any, step: int, head_dim: int, how: str
+) -> dict[tuple[str, ...], Any]:
+    """The twins' reference-layout `params`, `mu`, `nu` (flat by twin path) -> MaxText's
+    Linen on-disk tree (flat), its layers stacked as `how` (`pipeline` or `scan`) says."""
+    _check_head_dim(head_dim)
+    out: dict[tuple[str, ...], Any] = {("step",): np.asarray(step, np.int32)}
+    for kind in ("params", *MOMENTS):
+        head = PREFIX if kind == "params" else ("opt_state", "0", kind, "params")
+        for path, array in twins_map(head_dim, kind, how).backward(trees[kind]).items():
+            out[(*head, *path)] = array
+    out[("opt_state", "0", "count")] = np.asarray(count)
+    out[("opt_state", "2", "count")] = np.asarray(count)
+    return out
