@@ -101,7 +101,7 @@ class MaxTextPair(Pair):
         """The checks this pair computes its own way (`maxtext_config.OWN_CHECKS`)."""
         from parity.remote import maxtext_cost
 
-        return {"compile": maxtext_cost.compile_check, "layers": layers}
+        return {"compile": maxtext_cost.compile_check, "layers": layers, "checkpoint": checkpoint}
 
     def batch(self, step: int = 0, split: str = "train") -> dict:
         return batch(self.keys, self.devices, self.seed, step, split)
@@ -130,3 +130,18 @@ def layers(pair: MaxTextPair) -> Any:
     from parity.engine.result import skipped
 
     return skipped("layers", "max_rel", pair.tolerance.max_rel, LAYERS_NOT_EXPOSED)
+
+
+def checkpoint(pair: MaxTextPair) -> Any:
+    """`checkpoint` on MaxText: a checkpoint of 0.2.3's own `train.py`, restored and trained one
+    more step by both releases (`parity.remote.maxtext_checkpoint`), in a folder of its own."""
+    import tempfile
+    from pathlib import Path
+
+    from parity.remote import maxtext_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="parity-maxtext-checkpoint-") as directory:
+        verdict, _ = maxtext_checkpoint.cross_release(
+            pair.config, pair.environments, Path(directory)
+        )
+    return verdict
