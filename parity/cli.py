@@ -298,17 +298,16 @@ def _run(argv: Sequence[str]) -> int:
     golden = []
     if outputs is not None and outputs.golden is not None:
         golden = [("golden", lambda: outputs.golden_result(pair, write=main))]
-    results, durations = runner.run_checks(
-        pair, selected, FLAGS.steps, environments is None, golden
-    )
+    results, costs = runner.run_checks(pair, selected, FLAGS.steps, environments is None, golden)
+    costs = [cost.as_json() for cost in costs]
     status = max(EXIT_STATUS[r.status] for r in results)
     if environments is not None:
         progress(workers_line(*pair.workers.call_and_transfer_seconds()))
         pair.workers.close()
     if main:
-        report.render_table(results, cfg.model_name)
+        report.render_table(results, cfg.model_name, costs=costs)
         if outputs is not None:
-            status = max(status, outputs.write(results, cfg.model_name, durations))
+            status = max(status, outputs.write(results, cfg.model_name, costs))
     return distributed.worst_status(status)
 
 
@@ -343,13 +342,14 @@ def _run_maxtext(positional: Sequence[str]) -> int:
     pair = maxtext_pair.MaxTextPair(config, environments)
     progress(f"{config.describe()}; sides: {pair.workers.describe(environments)}")
     try:
-        results, durations = runner.run_checks(pair, selected, FLAGS.steps, drill_down=False)
+        results, costs = runner.run_checks(pair, selected, FLAGS.steps, drill_down=False)
+        costs = [cost.as_json() for cost in costs]
         progress(workers_line(*pair.workers.call_and_transfer_seconds()))
     finally:
         pair.workers.close()
-    report.render_table(results, config.model_name)
+    report.render_table(results, config.model_name, costs=costs)
     status = max(EXIT_STATUS[r.status] for r in results)
-    return max(status, outputs.write(results, config.model_name, durations))
+    return max(status, outputs.write(results, config.model_name, costs))
 
 
 def main() -> None:

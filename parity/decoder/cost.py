@@ -7,9 +7,7 @@ collectives of the compiled pipeline loops. The pipeline's work is `parity.decod
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import time
 from typing import Any
 
 import jax
@@ -21,6 +19,7 @@ from migrate.common import optim, sharding
 from migrate.config.contract import Config
 from parity.analysis import hlo
 from parity.decoder import twins
+from parity.engine import compiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +47,11 @@ class CompiledCost:
         less the outputs written into donated argument buffers."""
         return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
 
+    # how `compile_seconds` was obtained: "compiled in ...", or a persistent-cache read
+    compile_source: str = ""
+
     @classmethod
-    def of(cls, compiled, compile_seconds: float) -> CompiledCost:
+    def of(cls, compiled, compile_seconds: float, compile_source: str = "") -> CompiledCost:
         memory = compiled.memory_analysis()
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -67,6 +69,7 @@ class CompiledCost:
             loops=tuple(hlo.loops(text)),
             alias_bytes=int(memory.alias_size_in_bytes),
             outside_loops=tuple(hlo.outside_loops(text)),
+            compile_source=compile_source or f"compiled in {compile_seconds:.1f}s",
         )
 
 
@@ -108,33 +111,15 @@ def abstract_train_state(cfg: Config, mesh: Mesh, framework: str) -> tuple[Any, 
 
 def compile_train_step(cfg: Config, mesh: Mesh, framework: str) -> CompiledCost:
     """Lower and compile the whole train step (forward, backward, optimizer) abstractly: the
-    same jitted step the `train` check runs, with its pinned shardings."""
+    same jitted step the `train` check runs, with its pinned shardings, hence the same program
+    (compiled once: `compiles.compile_once`). Its compile time says how it was obtained: a
+    real compile or a persistent-cache read (`CompiledCost.compile_source`)."""
     params, opt_state = abstract_train_state(cfg, mesh, framework)
     step, _ = (twins.linen_train_fns if framework == "linen" else twins.nnx_train_fns)(cfg, mesh)
     lowered = step.lower(params, opt_state, abstract_batch(cfg, mesh))
-    with _without_persistent_cache() if MEASURE_COMPILE_TIME else contextlib.nullcontext():
-        start = time.perf_counter()
-        compiled = lowered.compile()
-        seconds = time.perf_counter() - start
-    return CompiledCost.of(compiled, seconds)
-
-
-# The compile check compiles for real, so that the compile time it reports is the compiler's,
-# not a persistent-cache read's. The test suite turns this off (tests/conftest.py): it never
-# asserts a compile time, and the step the `sharding` check compiled is then read back (the
-# same cache key) instead of compiled again, ~6 s per config on 2 cores.
-MEASURE_COMPILE_TIME = True
-
-
-@contextlib.contextmanager
-def _without_persistent_cache():
-    """Compile for real: the compile time is then the compiler's, not a cache read's."""
-    previous = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_compilation_cache", previous)
+    compiled, shared = compiles.compile_once(lowered)
+    source = compiled.describe() + (", shared with the checks that ran it" if shared else "")
+    return CompiledCost.of(compiled.executable, compiled.seconds, source)
 
 
 # ------------------------------------------------------------------ loop-body collectives
