@@ -138,7 +138,12 @@ flags.DEFINE_boolean(
 flags.DEFINE_float(
     "worker_timeout_s", 600.0, "Each call to a worker must answer within this.", lower_bound=1
 )
-flags.DEFINE_boolean("verbose", False, "Print the traceback of an internal error.")
+flags.DEFINE_boolean(
+    "verbose",
+    False,
+    "Print the traceback of an internal error, and the SPMD partitioner's warnings as they come "
+    "(the compile check reports them either way).",
+)
 flags.DEFINE_boolean(
     "dry_run",
     False,
@@ -276,7 +281,10 @@ def _run(argv: Sequence[str]) -> int:
 
     from parity.decoder import runner
     from parity.decoder.session import DecoderPair
+    from parity.engine import compiles
     from parity.engine.result import EXIT_STATUS
+
+    compiles.ECHO_PARTITIONER_WARNINGS[0] = FLAGS.verbose
     from parity.reports import report
 
     if environments is not None:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
-from migrate.common import axes, moe, numerics
+from migrate.common import axes, moe, numerics, sharding
 from migrate.config.contract import Config
 
 # Large negative score for masked positions (finite, so a fully masked row stays NaN-free).
@@ -52,9 +52,16 @@ class DenseGeneral(nn.Module):
 
 
 class Embed(nn.Module):
-    """Token id -> embedding row; `attend` reuses the table as the logits head (tied)."""
+    """Token id -> embedding row; `attend` reuses the table as the logits head (tied).
+
+    On a `mesh`, the lookup reads the table gathered over `fsdp` (FSDP's gather for use): read
+    from the table split over `fsdp`, the gradient's scatter wants the rows' cotangent split
+    over `embed`, a reshard from the batch's split that XLA cannot express; it replicates the
+    whole `[B, T, E]` cotangent on every device instead (docs/performance.md).
+    """
 
     config: Config
+    mesh: Mesh | None = None
 
     def setup(self) -> None:
         cfg = self.config
@@ -67,6 +74,9 @@ class Embed(nn.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         table = self.embedding
+        if self.mesh is not None:
+            gathered = sharding.gathered_over_fsdp(axes.EMBEDDING, self.mesh, self.config)
+            table = jax.lax.with_sharding_constraint(table, gathered)
         return jnp.take(table, tokens, axis=0).astype(numerics.activation_dtype(self.config))
 
     def attend(self, x: jax.Array) -> jax.Array:

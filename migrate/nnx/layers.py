@@ -58,10 +58,17 @@ class DenseGeneral(nnx.Module):
 
 
 class Embed(nnx.Module):
-    """Token id -> embedding row; `attend` reuses the table as the logits head (tied)."""
+    """Token id -> embedding row; `attend` reuses the table as the logits head (tied).
 
-    def __init__(self, config: Config, *, rngs: nnx.Rngs) -> None:
+    On a `mesh`, the lookup reads the table gathered over `fsdp` (FSDP's gather for use): read
+    from the table split over `fsdp`, the gradient's scatter wants the rows' cotangent split
+    over `embed`, a reshard from the batch's split that XLA cannot express; it replicates the
+    whole `[B, T, E]` cotangent on every device instead (docs/performance.md).
+    """
+
+    def __init__(self, config: Config, mesh: Mesh | None = None, *, rngs: nnx.Rngs) -> None:
         self.config = config
+        self.mesh = mesh
         self.embedding = nnx.Param(
             numerics.embedding_init(
                 rngs.params(),
@@ -73,6 +80,9 @@ class Embed(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         table = self.embedding[...]
+        if self.mesh is not None:
+            gathered = sharding.gathered_over_fsdp(axes.EMBEDDING, self.mesh, self.config)
+            table = jax.lax.with_sharding_constraint(table, gathered)
         return jnp.take(table, tokens, axis=0).astype(numerics.activation_dtype(self.config))
 
     def attend(self, x: jax.Array) -> jax.Array:

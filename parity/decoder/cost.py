@@ -49,9 +49,17 @@ class CompiledCost:
 
     # how `compile_seconds` was obtained: "compiled in ...", or a persistent-cache read
     compile_source: str = ""
+    # the reshards the SPMD partitioner could not express (it replicated the tensor instead)
+    remats: tuple[compiles.Remat, ...] = ()
 
     @classmethod
-    def of(cls, compiled, compile_seconds: float, compile_source: str = "") -> CompiledCost:
+    def of(
+        cls,
+        compiled,
+        compile_seconds: float,
+        compile_source: str = "",
+        remats: tuple[compiles.Remat, ...] = (),
+    ) -> CompiledCost:
         memory = compiled.memory_analysis()
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -70,6 +78,7 @@ class CompiledCost:
             alias_bytes=int(memory.alias_size_in_bytes),
             outside_loops=tuple(hlo.outside_loops(text)),
             compile_source=compile_source or f"compiled in {compile_seconds:.1f}s",
+            remats=remats,
         )
 
 
@@ -112,14 +121,14 @@ def abstract_train_state(cfg: Config, mesh: Mesh, framework: str) -> tuple[Any, 
 def compile_train_step(cfg: Config, mesh: Mesh, framework: str) -> CompiledCost:
     """Lower and compile the whole train step (forward, backward, optimizer) abstractly: the
     same jitted step the `train` check runs, with its pinned shardings, hence the same program
-    (compiled once: `compiles.compile_once`). Its compile time says how it was obtained: a
-    real compile or a persistent-cache read (`CompiledCost.compile_source`)."""
+    (compiled once: `compiles.compile_once`). By the compiler, not read from the persistent
+    cache: its compile time and the partitioner's warnings are the compiler's."""
     params, opt_state = abstract_train_state(cfg, mesh, framework)
     step, _ = (twins.linen_train_fns if framework == "linen" else twins.nnx_train_fns)(cfg, mesh)
     lowered = step.lower(params, opt_state, abstract_batch(cfg, mesh))
-    compiled, shared = compiles.compile_once(lowered)
+    compiled, shared = compiles.compile_once(lowered, real=True)
     source = compiled.describe() + (", shared with the checks that ran it" if shared else "")
-    return CompiledCost.of(compiled.executable, compiled.seconds, source)
+    return CompiledCost.of(compiled.executable, compiled.seconds, source, compiled.remats)
 
 
 # ------------------------------------------------------------------ loop-body collectives

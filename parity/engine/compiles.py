@@ -14,6 +14,11 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import math
+import os
+import re
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +29,7 @@ import jax
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT = "/jax/compilation_cache/cache_hits"
 TIME_SAVED = "/jax/compilation_cache/compile_time_saved_sec"
-# The partitioner's warnings are not monitoring events: `parity.decoder.cost` captures them.
+# The partitioner's warnings are not monitoring events: `compiler_output` captures them.
 
 _lock = threading.Lock()
 _events: list[tuple[str, float, str]] = []  # (event, seconds, program name)
@@ -165,24 +170,94 @@ def compare_timed(fn: Callable) -> Callable:
 
 # ------------------------------------------------------------------ programs compiled once
 
+# The SPMD partitioner's warning for a reshard it cannot express (it replicates the tensor,
+# then partitions it): `... cannot go from sharding {A} to {B} efficiently for HLO operation
+# %name = f32[2,16,64]{2,1,0} ...`.
+_REMAT = re.compile(
+    r"Involuntary full rematerialization.*?cannot go from sharding (?P<source>\{.*?\}) to "
+    r"(?P<target>\{.*?\}) efficiently for HLO operation (?P<name>%\S+) = "
+    r"(?P<dtype>[a-z]+\d*)\[(?P<shape>[\d,]*)\]"
+)
+# Set by `parity --verbose`: the partitioner's warnings are echoed as they come.
+ECHO_PARTITIONER_WARNINGS = [False]
+
+
+@dataclasses.dataclass(frozen=True)
+class Remat:
+    """One involuntary full rematerialisation the partitioner announced."""
+
+    operation: str  # HLO instruction name
+    dtype: str
+    shape: tuple[int, ...]
+    source: str  # the sharding it has
+    target: str  # the sharding it needs
+
+    @property
+    def bytes(self) -> int:
+        """The tensor's global size: what each device holds once it is replicated."""
+        bits = 8 if self.dtype == "pred" else int(re.sub(r"\D", "", self.dtype) or 8)
+        return math.prod(self.shape) * bits // 8
+
+    def describe(self) -> str:
+        shape = ",".join(map(str, self.shape))
+        tensor = f"{self.operation} {self.dtype}[{shape}] ({self.bytes} B)"
+        return f"{tensor}: {self.source} -> {self.target}"
+
+
+def parse_remats(text: str) -> tuple[Remat, ...]:
+    """The partitioner's involuntary-rematerialisation warnings in `text` (compiler output)."""
+    found = []
+    for line in text.splitlines():
+        match = _REMAT.search(line)
+        if match:
+            shape = tuple(int(d) for d in match["shape"].split(",") if d)
+            found.append(
+                Remat(match["name"], match["dtype"], shape, match["source"], match["target"])
+            )
+    return tuple(found)
+
+
+@contextlib.contextmanager
+def compiler_output() -> Iterator[list[str]]:
+    """Capture what the compiler writes to stderr (file descriptor 2) in the block: the
+    partitioner's warnings are kept (echoed only with ECHO_PARTITIONER_WARNINGS), every other
+    line is passed on to stderr when the block ends."""
+    captured: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            captured += sink.read().decode("utf-8", "replace").splitlines()
+    passed_on = [
+        line for line in captured if ECHO_PARTITIONER_WARNINGS[0] or not _REMAT.search(line)
+    ]
+    if passed_on:
+        print("\n".join(passed_on), file=sys.stderr, flush=True)
+
 
 @dataclasses.dataclass(frozen=True)
 class Compiled:
     """One program compiled in this process: `executable`, the wall `seconds` its compile
-    took here, and whether that was a persistent-cache read (`cache_read`; then
-    `recorded_seconds` is the compile time the cache entry recorded, else `seconds`)."""
+    took here, whether that was a persistent-cache read (`cache_read`: no compile, and no
+    partitioner warnings to read), and the partitioner's involuntary rematerialisations."""
 
     executable: jax.stages.Compiled
     seconds: float
     cache_read: bool
-    recorded_seconds: float
+    remats: tuple[Remat, ...] = ()
 
     def describe(self) -> str:
         """How the compile time was obtained, plainly."""
         if self.cache_read:
             return (
-                f"read from the persistent compilation cache in {self.seconds:.1f}s (its "
-                f"compile took {self.recorded_seconds:.1f}s when cached)"
+                f"read from the persistent compilation cache in {self.seconds:.1f}s, not compiled"
             )
         return f"compiled in {self.seconds:.1f}s"
 
@@ -197,21 +272,47 @@ def program_key(lowered: jax.stages.Lowered) -> tuple[str, str, str]:
     return text, str(lowered.in_tree), str(lowered.out_tree)
 
 
-def compile_once(lowered: jax.stages.Lowered) -> tuple[Compiled, bool]:
+def _compile(lowered: jax.stages.Lowered, **options: Any) -> Compiled:
+    with measure() as cost, compiler_output() as output:
+        executable = lowered.compile(**options)
+    remats = parse_remats("\n".join(output))
+    return Compiled(executable, cost.wall_seconds, cost.cache_reads > 0, remats)
+
+
+def compile_once(lowered: jax.stages.Lowered, real: bool = False) -> tuple[Compiled, bool]:
     """`lowered` compiled, once per distinct program in this process: (the compile, whether
-    it was shared: compiled before for another lowering of the same program)."""
+    it was shared: compiled before for another lowering of the same program). `real`: the
+    compile must be the compiler's, not a persistent-cache read (its time and the
+    partitioner's warnings are measured): a program read from the cache is compiled again,
+    under a cache key of its own that is never written (`compile_for_real`)."""
     key = program_key(lowered)
-    if key in _programs:
-        return _programs[key], True
-    with measure() as cost:
-        executable = lowered.compile()
-    _programs[key] = Compiled(
-        executable,
-        cost.wall_seconds,
-        cost.cache_reads > 0,
-        cost.saved_seconds + cost.compile_seconds if cost.cache_reads else cost.wall_seconds,
-    )
-    return _programs[key], False
+    compiled = _programs.get(key)
+    shared = compiled is not None
+    if compiled is None:
+        compiled = _compile(lowered)
+    if real and compiled.cache_read:
+        compiled, shared = compile_for_real(lowered), False
+    _programs[key] = compiled
+    return compiled, shared
+
+
+# A compiler option at its default value: the same program, but another persistent-cache key.
+_UNCACHED = {"xla_embed_ir_in_executable": False}
+
+
+def compile_for_real(lowered: jax.stages.Lowered) -> Compiled:
+    """Compile `lowered` by the compiler even where the persistent cache holds it: JAX
+    decides whether it uses the cache once per process (`is_cache_used`), so the compile gets a
+    key of its own (`_UNCACHED`), and a minimum compile time no compile reaches keeps it from
+    being written under that key."""
+    previous = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+    try:
+        compiled = _compile(lowered, compiler_options=_UNCACHED)
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", previous)
+    assert not compiled.cache_read, "a compile under a never-written key was read from the cache"
+    return compiled
 
 
 def forget_programs() -> None:
