@@ -96,8 +96,9 @@ def compile_cost(pair: DecoderPair) -> CheckResult:
     than Linen beyond COST_TOLERANCE, must alias as much, and must issue the same
     collectives."""
     cfg, mesh = pair.cfg, pair.mesh
-    linen_cost = cost.compile_train_step(cfg, mesh, "linen")
-    nnx_cost = cost.compile_train_step(cfg, mesh, "nnx")
+    linen_cost, nnx_cost = (
+        cost.compile_train_step(cfg, mesh, f, pair.train_step_lowered(f)) for f in ("linen", "nnx")
+    )
     records, loop_summary = loop_body_records(cfg, dict(mesh.shape), linen_cost, nnx_cost)
     for field in (
         "temp_bytes",

@@ -118,14 +118,18 @@ def abstract_train_state(cfg: Config, mesh: Mesh, framework: str) -> tuple[Any, 
         return params, with_shardings(opt_state_shardings, opt_state)
 
 
-def compile_train_step(cfg: Config, mesh: Mesh, framework: str) -> CompiledCost:
+def compile_train_step(
+    cfg: Config, mesh: Mesh, framework: str, lowered: jax.stages.Lowered | None = None
+) -> CompiledCost:
     """Lower and compile the whole train step (forward, backward, optimizer) abstractly: the
     same jitted step the `train` check runs, with its pinned shardings, hence the same program
     (compiled once: `compiles.compile_once`). By the compiler, not read from the persistent
-    cache: its compile time and the partitioner's warnings are the compiler's."""
-    params, opt_state = abstract_train_state(cfg, mesh, framework)
-    step, _ = (twins.linen_train_fns if framework == "linen" else twins.nnx_train_fns)(cfg, mesh)
-    lowered = step.lower(params, opt_state, abstract_batch(cfg, mesh))
+    cache: its compile time and the partitioner's warnings are the compiler's. `lowered`: the
+    step already lowered for real weights (not traced again)."""
+    if lowered is None:
+        params, opt_state = abstract_train_state(cfg, mesh, framework)
+        fns = twins.linen_train_fns if framework == "linen" else twins.nnx_train_fns
+        lowered = fns(cfg, mesh)[0].lower(params, opt_state, abstract_batch(cfg, mesh))
     compiled, shared = compiles.compile_once(lowered, real=True)
     source = compiled.describe() + (", shared with the checks that ran it" if shared else "")
     return CompiledCost.of(compiled.executable, compiled.seconds, source, compiled.remats)

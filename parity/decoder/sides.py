@@ -72,6 +72,11 @@ class DecoderSide(Side):
             self._programs[id(weights)] = (held, lowered, compiled)
         return compiled
 
+    def any_lowered(self) -> jax.stages.Lowered | None:
+        """The train step as lowered for some weights already (the same program for any
+        weights: its shardings are pinned), or None."""
+        return next((lowered for _, lowered, _ in self._programs.values()), None)
+
     def _program(self, weights: Any) -> tuple[Any, Any, Any]:
         if id(weights) not in self._programs:
             params = self.step_params(weights)
