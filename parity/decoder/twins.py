@@ -48,8 +48,20 @@ def nnx_cache(fn: Callable) -> Callable:
 def fresh_copy(tree: Any) -> Any:
     """`tree` with every array copied into new buffers of the same sharding: what a train
     step, which donates its state, may consume while the original stays valid (the cached
-    initial weights, a state compared after the step)."""
-    return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
+    initial weights, a state compared after the step). One program copies them all."""
+    leaves, treedef = jax.tree.flatten(tree)
+    arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    copies = _copier(tuple(leaves[i].sharding for i in arrays))([leaves[i] for i in arrays])
+    for i, copy in zip(arrays, copies, strict=True):
+        leaves[i] = copy
+    return jax.tree.unflatten(treedef, leaves)
+
+
+@functools.cache
+def _copier(shardings: tuple[Any, ...]) -> Callable:
+    # Pinned out: a copy keeps its original's sharding; `jnp.copy` inside jit writes new
+    # buffers (an output that is an input unchanged would be the same buffer).
+    return jax.jit(lambda arrays: [jnp.copy(x) for x in arrays], out_shardings=list(shardings))
 
 
 def schedule_free(cfg: Config) -> Config:
