@@ -123,14 +123,15 @@ def compile_train_step(
 ) -> CompiledCost:
     """Lower and compile the whole train step (forward, backward, optimizer) abstractly: the
     same jitted step the `train` check runs, with its pinned shardings, hence the same program
-    (compiled once: `compiles.compile_once`). By the compiler, not read from the persistent
-    cache: its compile time and the partitioner's warnings are the compiler's. `lowered`: the
+    (compiled once: `compiles.compile_once`), with the partitioner's warnings known: compiled
+    by the compiler, or read from the persistent cache beside the record of its compile's
+    warnings (the compile time then says it was a read). `lowered`: the
     step already lowered for real weights (not traced again)."""
     if lowered is None:
         params, opt_state = abstract_train_state(cfg, mesh, framework)
         fns = twins.linen_train_fns if framework == "linen" else twins.nnx_train_fns
         lowered = fns(cfg, mesh)[0].lower(params, opt_state, abstract_batch(cfg, mesh))
-    compiled, shared = compiles.compile_once(lowered, real=True)
+    compiled, shared = compiles.compile_once(lowered, warnings=True)
     source = compiled.describe() + (", shared with the checks that ran it" if shared else "")
     return CompiledCost.of(compiled.executable, compiled.seconds, source, compiled.remats)
 

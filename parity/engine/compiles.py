@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import json
 import math
 import os
 import re
@@ -22,6 +23,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -245,24 +247,27 @@ def compiler_output() -> Iterator[list[str]]:
 @dataclasses.dataclass(frozen=True)
 class Compiled:
     """One program compiled in this process: `executable`, the wall `seconds` its compile
-    took here, whether that was a persistent-cache read (`cache_read`: no compile, and no
-    partitioner warnings to read), and the partitioner's involuntary rematerialisations."""
+    took here, whether that was a persistent-cache read (`cache_read`: no compile), and the
+    partitioner's involuntary rematerialisations (for a cache read: as the compile that wrote
+    the entry recorded them, `_record_path`; None where none did)."""
 
     executable: jax.stages.Compiled
     seconds: float
     cache_read: bool
-    remats: tuple[Remat, ...] = ()
+    remats: tuple[Remat, ...] | None = ()
 
     def describe(self) -> str:
         """How the compile time was obtained, plainly."""
         if self.cache_read:
             return (
-                f"read from the persistent compilation cache in {self.seconds:.1f}s, not compiled"
+                f"read from the persistent compilation cache in {self.seconds:.1f}s, not "
+                "compiled (the partitioner's warnings as its compile recorded them)"
             )
         return f"compiled in {self.seconds:.1f}s"
 
 
 _programs: dict[tuple[str, str, str], Compiled] = {}
+RECORDS = "parity-partitioner"  # our folder in the persistent cache's directory
 
 
 def program_key(lowered: jax.stages.Lowered) -> tuple[str, str, str]:
@@ -272,25 +277,61 @@ def program_key(lowered: jax.stages.Lowered) -> tuple[str, str, str]:
     return text, str(lowered.in_tree), str(lowered.out_tree)
 
 
-def _compile(lowered: jax.stages.Lowered, **options: Any) -> Compiled:
+def _record_path(key: tuple[str, str, str]) -> Path | None:
+    """Where a compile of the program `key` records its partitioner warnings, beside the
+    persistent cache that will serve the program (same JAX, flags and backend); None without
+    a local cache directory."""
+    directory = jax.config.jax_compilation_cache_dir
+    if not directory or not Path(directory).is_dir():
+        return None
+    context = (key, jax.__version__, os.environ.get("XLA_FLAGS", ""), jax.default_backend())
+    name = hashlib.sha256(repr(context).encode()).hexdigest()
+    return Path(directory) / RECORDS / f"{name}.json"
+
+
+def _read_record(key: tuple[str, str, str]) -> tuple[Remat, ...] | None:
+    path = _record_path(key)
+    try:
+        found = json.loads(path.read_text()) if path is not None else None
+        return tuple(Remat(**{**r, "shape": tuple(r["shape"])}) for r in found)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None  # no record, or not one of ours: compile again to know
+
+
+def _write_record(key: tuple[str, str, str], remats: tuple[Remat, ...]) -> None:
+    path = _record_path(key)
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(exist_ok=True)
+        staged = path.with_suffix(f".{os.getpid()}.tmp")
+        staged.write_text(json.dumps([dataclasses.asdict(r) for r in remats]))
+        staged.replace(path)  # whole or not at all, for a concurrent reader
+    except OSError:
+        pass  # a cache we cannot write to: the next run compiles again
+
+
+def _compile(lowered: jax.stages.Lowered, key: tuple[str, str, str], **options: Any) -> Compiled:
     with measure() as cost, compiler_output() as output:
         executable = lowered.compile(**options)
+    if cost.cache_reads:
+        return Compiled(executable, cost.wall_seconds, True, _read_record(key))
     remats = parse_remats("\n".join(output))
-    return Compiled(executable, cost.wall_seconds, cost.cache_reads > 0, remats)
+    _write_record(key, remats)
+    return Compiled(executable, cost.wall_seconds, False, remats)
 
 
-def compile_once(lowered: jax.stages.Lowered, real: bool = False) -> tuple[Compiled, bool]:
+def compile_once(lowered: jax.stages.Lowered, warnings: bool = False) -> tuple[Compiled, bool]:
     """`lowered` compiled, once per distinct program in this process: (the compile, whether
-    it was shared: compiled before for another lowering of the same program). `real`: the
-    compile must be the compiler's, not a persistent-cache read (its time and the
-    partitioner's warnings are measured): a program read from the cache is compiled again,
-    under a cache key of its own that is never written (`compile_for_real`)."""
+    it was shared: compiled before for another lowering of the same program). `warnings`: the
+    partitioner's warnings must be known; a program read from the persistent cache without
+    its compile's record of them is compiled again (`compile_for_real`)."""
     key = program_key(lowered)
     compiled = _programs.get(key)
     shared = compiled is not None
     if compiled is None:
-        compiled = _compile(lowered)
-    if real and compiled.cache_read:
+        compiled = _compile(lowered, key)
+    if warnings and compiled.remats is None:
         compiled, shared = compile_for_real(lowered), False
     _programs[key] = compiled
     return compiled, shared
@@ -304,11 +345,11 @@ def compile_for_real(lowered: jax.stages.Lowered) -> Compiled:
     """Compile `lowered` by the compiler even where the persistent cache holds it: JAX
     decides whether it uses the cache once per process (`is_cache_used`), so the compile gets a
     key of its own (`_UNCACHED`), and a minimum compile time no compile reaches keeps it from
-    being written under that key."""
+    being written under that key. Its partitioner warnings are recorded for cache reads."""
     previous = jax.config.jax_persistent_cache_min_compile_time_secs
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
     try:
-        compiled = _compile(lowered, compiler_options=_UNCACHED)
+        compiled = _compile(lowered, program_key(lowered), compiler_options=_UNCACHED)
     finally:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", previous)
     assert not compiled.cache_read, "a compile under a never-written key was read from the cache"
