@@ -279,12 +279,14 @@ def program_key(lowered: jax.stages.Lowered) -> tuple[str, str, str]:
 
 def _record_path(key: tuple[str, str, str]) -> Path | None:
     """Where a compile of the program `key` records its partitioner warnings, beside the
-    persistent cache that will serve the program (same JAX, flags and backend); None without
-    a local cache directory."""
+    persistent cache that will serve the program (same JAX, flags and backend; keyed by the
+    program alone, as the cache is: twins with the same program share it); None without a
+    local cache directory."""
     directory = jax.config.jax_compilation_cache_dir
     if not directory or not Path(directory).is_dir():
         return None
-    context = (key, jax.__version__, os.environ.get("XLA_FLAGS", ""), jax.default_backend())
+    program = key[0]
+    context = (program, jax.__version__, os.environ.get("XLA_FLAGS", ""), jax.default_backend())
     name = hashlib.sha256(repr(context).encode()).hexdigest()
     return Path(directory) / RECORDS / f"{name}.json"
 
