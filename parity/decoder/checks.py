@@ -140,7 +140,7 @@ def compile_cost(pair: DecoderPair) -> CheckResult:
                 "passed": a == b,
             }
         )
-    records += remat_records(linen_cost, nnx_cost)
+    records += cost.remat_records(linen_cost, nnx_cost, cfg.model_name)
     outside, outside_summary = outside_loop_records(dict(mesh.shape), linen_cost, nnx_cost)
     records += outside
     slice_records, slice_summary = slices.records(cfg, mesh, linen_cost, nnx_cost)
@@ -180,34 +180,6 @@ def compile_cost(pair: DecoderPair) -> CheckResult:
         details=tuple(records),
         message=f"per device: {per_device}",
     )
-
-
-def remat_records(linen_cost, nnx_cost) -> list[dict]:
-    """One record per twin: the reshards its compile made the SPMD partitioner replicate
-    ("involuntary full rematerialization": the whole tensor on every device), each with its
-    tensor, both shardings and bytes. Any one fails: every shipped layout avoids them."""
-    records = []
-    for framework, found in (("linen", linen_cost.remats), ("nnx", nnx_cost.remats)):
-        records.append(
-            {
-                "tensor": f"partitioner: involuntary rematerialisations ({framework})",
-                framework: len(found),
-                "minimum": 0,
-                "remats": [
-                    {
-                        "operation": r.operation,
-                        "shape": f"{r.dtype}[{','.join(map(str, r.shape))}]",
-                        "bytes": r.bytes,
-                        "from": r.source,
-                        "to": r.target,
-                    }
-                    for r in found
-                ],
-                "max_rel": float(len(found)),
-                "passed": not found,
-            }
-        )
-    return records
 
 
 def loop_body_records(
