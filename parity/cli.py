@@ -138,12 +138,7 @@ flags.DEFINE_boolean(
 flags.DEFINE_float(
     "worker_timeout_s", 600.0, "Each call to a worker must answer within this.", lower_bound=1
 )
-flags.DEFINE_boolean(
-    "verbose",
-    False,
-    "Print the traceback of an internal error, and the SPMD partitioner's warnings as they come "
-    "(the compile check reports them either way).",
-)
+flags.DEFINE_boolean("verbose", False, "Print internal errors' tracebacks and compiler warnings.")
 flags.DEFINE_boolean(
     "dry_run",
     False,
@@ -283,9 +278,9 @@ def _run(argv: Sequence[str]) -> int:
     from parity.decoder.session import DecoderPair
     from parity.engine import compiles
     from parity.engine.result import EXIT_STATUS
+    from parity.reports import report
 
     compiles.ECHO_PARTITIONER_WARNINGS[0] = FLAGS.verbose
-    from parity.reports import report
 
     if environments is not None:
         from parity.remote import decoder_pair
@@ -307,7 +302,6 @@ def _run(argv: Sequence[str]) -> int:
     if outputs is not None and outputs.golden is not None:
         golden = [("golden", lambda: outputs.golden_result(pair, write=main))]
     results, costs = runner.run_checks(pair, selected, FLAGS.steps, environments is None, golden)
-    costs = [cost.as_json() for cost in costs]
     status = max(EXIT_STATUS[r.status] for r in results)
     if environments is not None:
         progress(workers_line(*pair.workers.call_and_transfer_seconds()))
@@ -351,7 +345,6 @@ def _run_maxtext(positional: Sequence[str]) -> int:
     progress(f"{config.describe()}; sides: {pair.workers.describe(environments)}")
     try:
         results, costs = runner.run_checks(pair, selected, FLAGS.steps, drill_down=False)
-        costs = [cost.as_json() for cost in costs]
         progress(workers_line(*pair.workers.call_and_transfer_seconds()))
     finally:
         pair.workers.close()

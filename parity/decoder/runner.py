@@ -24,8 +24,8 @@ def run_checks(
     after: Sequence[tuple[str, Callable[[], Any]]] = (),
 ) -> tuple[list, list]:
     """Each selected check on `pair`, then each `(name, check)` of `after`, with progress
-    lines: (results, what each check cost: `compiles.Cost`). `drill_down`: run `layers` by
-    itself when forward or grads fails."""
+    lines: (results, what each check cost: `compiles.Cost.as_json()`). `drill_down`: run
+    `layers` by itself when forward or grads fails."""
     results, costs = [], []
 
     def run_check(name: str, check: Callable[[], Any]) -> None:
@@ -59,4 +59,4 @@ def run_checks(
         run_check("layers", lambda: CHECKS["layers"](pair))
     for name, check in after:
         run_check(name, check)
-    return results, costs
+    return results, [cost.as_json() for cost in costs]
