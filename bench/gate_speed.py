@@ -1,7 +1,8 @@
 """The gate's own wall time, two checkouts side by side: `parity CONFIG --checks=all` of a
 baseline checkout (`--baseline`, e.g. main) and of this one, interleaved in one process tree on
-the same machine, with a cold persistent compilation cache (a new empty one per run) and a warm
-one (the cache that side's cold run of the round wrote); and the 7B `--checks=compile`, cold.
+the same machine: cold (`--compilation_cache_dir=''`, no persistent cache), fresh (a new empty
+persistent cache) and warm (the cache that side's fresh run of the round wrote); and the 7B
+`--checks=compile`, cold.
 
     PYTHONPATH=. python bench/gate_speed.py --baseline /work/main [--rounds 1]
 
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
+MODES = ("cold", "fresh", "warm")
 COMPILED = re.compile(r"Finished XLA compilation of (.+?) in ([\d.]+) sec")
 
 
@@ -60,12 +62,11 @@ def main() -> int:
             # Alternate which side goes first, so that neither always runs after the other.
             order = list(sides) if round_index % 2 == 0 else list(reversed(sides))
             caches = {side: tempfile.mkdtemp(dir=root) for side in order}
-            for mode in ("cold", "warm"):
+            for mode in MODES:
                 for side in order:
-                    if mode == "cold":  # a new, empty cache; the warm run reads what it wrote
-                        Path(caches[side]).rmdir()
-                        os.mkdir(caches[side])
-                    found = run(sides[side], args.config, "all", caches[side])
+                    # fresh: a new, empty cache; the warm run reads what it wrote
+                    cache = "" if mode == "cold" else caches[side]
+                    found = run(sides[side], args.config, "all", cache)
                     results.setdefault((side, mode), []).append(found)
                     print(f"round {round_index} {mode:4s} {side:8s} {_line(found)}", flush=True)
             if not args.skip_7b:
@@ -74,7 +75,7 @@ def main() -> int:
                     results.setdefault((side, "7b"), []).append(found)
                     print(f"round {round_index} 7b   {side:8s} {_line(found)}", flush=True)
     print("\n| run | baseline | branch | branch / baseline |\n| --- | --- | --- | --- |")
-    for mode in ("cold", "warm", "7b"):
+    for mode in (*MODES, "7b"):
         if ("branch", mode) not in results:
             continue
         base, branch = (_median(results[side, mode]) for side in ("baseline", "branch"))

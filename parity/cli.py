@@ -69,7 +69,8 @@ flags.DEFINE_string(
     os.environ.get(
         "JAX_COMPILATION_CACHE_DIR", str(Path.home() / ".cache" / "linen-nnx-parity" / "xla")
     ),
-    "Persistent XLA compilation cache ('' disables).",
+    "Persistent XLA compilation cache ('': none kept; the run compiles through its own, deleted "
+    "at exit, so that identical programs compile once).",
 )
 flags.DEFINE_integer(
     "num_processes",
@@ -262,24 +263,19 @@ def _run(argv: Sequence[str]) -> int:
         return launch.launch(args, processes, cfg.num_devices // processes, FLAGS.timeout_s)
     ensure_simulated_devices(cfg.num_devices // processes)
 
-    import jax  # JAX starts here
-
-    from parity.multiprocess import distributed
+    from parity.multiprocess import distributed  # JAX starts here
 
     if processes > 1:
         distributed.initialize(
             FLAGS.coordinator_address, processes, FLAGS.process_id, FLAGS.init_timeout_s
         )
-    if FLAGS.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
     from parity.decoder import runner
     from parity.decoder.session import DecoderPair
     from parity.engine import compiles
     from parity.engine.result import EXIT_STATUS
     from parity.reports import report
 
+    compiles.use_compilation_cache(FLAGS.compilation_cache_dir)
     compiles.ECHO_PARTITIONER_WARNINGS[0] = FLAGS.verbose
 
     if environments is not None:

@@ -10,6 +10,7 @@ record builders, so that a check's wall time splits into compile, compare and ru
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import functools
@@ -18,6 +19,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import tempfile
 import threading
@@ -356,6 +358,19 @@ def compile_for_real(lowered: jax.stages.Lowered) -> Compiled:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", previous)
     assert not compiled.cache_read, "a compile under a never-written key was read from the cache"
     return compiled
+
+
+def use_compilation_cache(directory: str, min_compile_seconds: float = 0.5) -> str:
+    """Compile through JAX's persistent cache in `directory`; with none given, through a
+    temporary one of this run's, deleted when the process exits (a crash that skips the
+    interpreter's exit leaves it in the temp folder): identical programs of a run (the twins'
+    train steps, Linen's and NNX's) are then compiled once, the rest read. The directory used."""
+    if not directory:
+        directory = tempfile.mkdtemp(prefix="parity-run-cache-")
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
+    return directory
 
 
 def forget_programs() -> None:
