@@ -69,7 +69,8 @@ flags.DEFINE_string(
     os.environ.get(
         "JAX_COMPILATION_CACHE_DIR", str(Path.home() / ".cache" / "linen-nnx-parity" / "xla")
     ),
-    "Persistent XLA compilation cache ('' disables).",
+    "Persistent XLA compilation cache ('': none kept; the run compiles through its own, deleted "
+    "at exit, so that identical programs compile once).",
 )
 flags.DEFINE_integer(
     "num_processes",
@@ -138,7 +139,7 @@ flags.DEFINE_boolean(
 flags.DEFINE_float(
     "worker_timeout_s", 600.0, "Each call to a worker must answer within this.", lower_bound=1
 )
-flags.DEFINE_boolean("verbose", False, "Print the traceback of an internal error.")
+flags.DEFINE_boolean("verbose", False, "Print internal errors' tracebacks and compiler warnings.")
 flags.DEFINE_boolean(
     "dry_run",
     False,
@@ -169,15 +170,15 @@ def usage_error(message: str) -> int:
     return cli_support.error_line("parity", message)
 
 
-def _select_checks() -> list[str] | str:
+def _select_checks(known: Sequence[str] = CHECK_NAMES) -> list[str] | str:
     if FLAGS.checks == ["all"]:
-        return list(CHECK_NAMES)
+        return list(known)
     if FLAGS.checks is not None and not any(FLAGS.checks):  # `--checks=` or `--checks=,`
-        return f"--checks: no checks selected; known checks: {', '.join(CHECK_NAMES)}, all"
+        return f"--checks: no checks selected; known checks: {', '.join(known)}, all"
     selected = FLAGS.checks or [c for c in CHECK_NAMES if c not in ON_REQUEST]
-    unknown = [c for c in selected if c not in CHECK_NAMES]
+    unknown = [c for c in selected if c not in known]
     if unknown:
-        return f"unknown checks {unknown}; known: {', '.join(CHECK_NAMES)}"
+        return f"unknown checks {unknown}; known: {', '.join(known)}"
     return selected
 
 
@@ -262,22 +263,20 @@ def _run(argv: Sequence[str]) -> int:
         return launch.launch(args, processes, cfg.num_devices // processes, FLAGS.timeout_s)
     ensure_simulated_devices(cfg.num_devices // processes)
 
-    import jax  # JAX starts here
-
-    from parity.multiprocess import distributed
+    from parity.multiprocess import distributed  # JAX starts here
 
     if processes > 1:
         distributed.initialize(
             FLAGS.coordinator_address, processes, FLAGS.process_id, FLAGS.init_timeout_s
         )
-    if FLAGS.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
     from parity.decoder import runner
     from parity.decoder.session import DecoderPair
+    from parity.engine import compiles
     from parity.engine.result import EXIT_STATUS
     from parity.reports import report
+
+    compiles.use_compilation_cache(FLAGS.compilation_cache_dir)
+    compiles.ECHO_PARTITIONER_WARNINGS[0] = FLAGS.verbose
 
     if environments is not None:
         from parity.remote import decoder_pair
@@ -298,17 +297,15 @@ def _run(argv: Sequence[str]) -> int:
     golden = []
     if outputs is not None and outputs.golden is not None:
         golden = [("golden", lambda: outputs.golden_result(pair, write=main))]
-    results, durations = runner.run_checks(
-        pair, selected, FLAGS.steps, environments is None, golden
-    )
+    results, costs = runner.run_checks(pair, selected, FLAGS.steps, environments is None, golden)
     status = max(EXIT_STATUS[r.status] for r in results)
     if environments is not None:
         progress(workers_line(*pair.workers.call_and_transfer_seconds()))
         pair.workers.close()
     if main:
-        report.render_table(results, cfg.model_name)
+        report.render_table(results, cfg.model_name, costs=costs)
         if outputs is not None:
-            status = max(status, outputs.write(results, cfg.model_name, durations))
+            status = max(status, outputs.write(results, cfg.model_name, costs))
     return distributed.worst_status(status)
 
 
@@ -317,7 +314,9 @@ def _run_maxtext(positional: Sequence[str]) -> int:
     from parity.remote import maxtext_config
 
     config = maxtext_config.load(positional[0], positional[1:])
-    selected = _select_checks() if FLAGS.checks else list(maxtext_config.CHECKS)
+    selected = (
+        _select_checks(maxtext_config.CHECK_NAMES) if FLAGS.checks else list(maxtext_config.CHECKS)
+    )
     if isinstance(selected, str):
         return usage_error(selected)
     local_only = set(remote_environments.LOCAL_ONLY) - set(maxtext_config.OWN_CHECKS)
@@ -344,13 +343,13 @@ def _run_maxtext(positional: Sequence[str]) -> int:
     pair = maxtext_pair.MaxTextPair(config, environments)
     progress(f"{config.describe()}; sides: {pair.workers.describe(environments)}")
     try:
-        results, durations = runner.run_checks(pair, selected, FLAGS.steps, drill_down=False)
+        results, costs = runner.run_checks(pair, selected, FLAGS.steps, drill_down=False)
         progress(workers_line(*pair.workers.call_and_transfer_seconds()))
     finally:
         pair.workers.close()
-    report.render_table(results, config.model_name)
+    report.render_table(results, config.model_name, costs=costs)
     status = max(EXIT_STATUS[r.status] for r in results)
-    return max(status, outputs.write(results, config.model_name, durations))
+    return max(status, outputs.write(results, config.model_name, costs))
 
 
 def main() -> None:

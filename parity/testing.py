@@ -23,6 +23,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
+from parity.engine import compiles
 from parity.engine.result import CheckResult
 from parity.pairs import compare_modules, format_report
 
@@ -74,5 +75,6 @@ def free_compiled_programs_near_map_limit(fraction: float = 0.5) -> bool:
     if not limit or mapped_regions() <= fraction * limit:
         return False
     jax.clear_caches()
+    compiles.forget_programs()
     gc.collect()
     return True

@@ -26,9 +26,6 @@ import pytest  # noqa: E402
 from migrate.config.contract import Config  # noqa: E402
 from migrate.config.loading import load_config  # noqa: E402
 from parity import testing  # noqa: E402
-from parity.decoder import cost  # noqa: E402
-
-cost.MEASURE_COMPILE_TIME = False  # compile times are reported, never asserted: read the cache
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 # The float32 pipeline variants the unit tests run on this session's 8 devices.

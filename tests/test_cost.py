@@ -36,6 +36,40 @@ def test_compile_check_nnx_costs_what_linen_costs():
         assert by_field[field]["linen"] > 0
     assert by_field["collectives: collective-permute"]["linen"] > 0  # the stage rotation
     assert "per device: linen args" in result.message
+    for twin in ("linen", "nnx"):  # no reshard the partitioner had to replicate
+        remats = by_field[f"partitioner: involuntary rematerialisations ({twin})"]
+        assert remats[twin] == 0 and remats["remats"] == [] and remats["passed"]
+
+
+@pytest.mark.slow
+def test_compile_check_fails_on_a_reshard_the_partitioner_replicates(monkeypatch):
+    """Seeded: the embedding reads its table as stored, split over fsdp (the layout before
+    issue 28). The gradient's scatter then wants the rows split over embed, which the
+    partitioner reaches only by replicating them: the compile check names it and fails."""
+    from migrate.common import sharding as sharding_lib
+    from parity.decoder import twins
+
+    if jax.__version_info__ < (0, 12):
+        pytest.skip(f"jax {jax.__version__}'s partitioner announces no rematerialisation here")
+
+    def as_stored(names, mesh, cfg):
+        return sharding_lib.named_sharding(tuple(names), mesh, cfg.logical_axis_rules)
+
+    def forget():
+        twins._linen_train_fns.cache_clear()
+        twins.clear_nnx_caches()
+
+    monkeypatch.setattr(sharding_lib, "gathered_over_fsdp", as_stored)
+    forget()
+    try:
+        result = decoder_checks.compile_cost(DecoderPair(tiny("llama2-tiny")))
+    finally:
+        monkeypatch.undo()
+        forget()
+    assert not result.passed
+    assert result.where == "partitioner: involuntary rematerialisations (linen)", result.where
+    (remat, *_) = {r["tensor"]: r for r in result.details}[result.where]["remats"]
+    assert remat["bytes"] > 0 and "'fsdp'" in remat["from"] and remat["to"]
 
 
 def test_compile_check_reports_aliased_and_peak_bytes_of_the_donated_train_step():

@@ -67,8 +67,8 @@ def test_nan_hook_is_live_when_bubbles_are_not_masked(monkeypatch):
     monkeypatch.setattr(schedule, "stage_work", every_slot_valid)
     s = session("llama2-tiny")
     # A fresh jit (not the cached, masked executable) traces the patched schedule.
-    step = twins._linen_step.__wrapped__(s.cfg, s.mesh, None, float("nan"))
-    _, grads = step(s.linen_variables["params"], s.train_batch)
+    step = twins._linen_step.__wrapped__(s.cfg, s.mesh, None)
+    _, grads = step(s.linen_variables["params"], s.train_batch, twins.fill_value(float("nan")))
     # The forward pass overwrites the poisoned outputs, but the weight gradients sum
     # input x upstream-gradient over the idle slots too, and NaN x 0 is NaN.
     assert any(np.isnan(np.asarray(g)).any() for g in jax.tree.leaves(grads))

@@ -127,3 +127,47 @@ def test_an_evaluation_that_consumes_the_weights_fails_train_there_not_the_run(m
     assert all("consumed" in r["note"] for r in consumed)
     assert not result.steps  # nothing left to step
     assert not any(r["tensor"].startswith("eval-after") for r in result.details)
+
+
+@pytest.fixture
+def traced_once(monkeypatch):
+    """Both twins' train and eval steps built afresh under `chex.assert_max_traces(n=1)`: a
+    second trace of either (a retrace across steps) raises. The twins' cached functions are
+    forgotten before and after, so that no other test runs the guarded ones."""
+    import chex
+
+    def guarded(make):
+        return lambda *args: chex.assert_max_traces(make(*args), n=1)
+
+    for module in (linen_train, nnx_train):
+        monkeypatch.setattr(module, "make_train_step", guarded(module.make_train_step))
+        monkeypatch.setattr(module, "make_eval_step", guarded(module.make_eval_step))
+
+    def forget():
+        twins._linen_train_fns.cache_clear()
+        twins.clear_nnx_caches()
+
+    forget()
+    try:
+        yield
+    finally:
+        forget()
+        chex.clear_trace_counter()
+
+
+@pytest.mark.slow
+def test_train_steps_trace_once_for_every_step_both_evaluations_and_the_compile_check(
+    traced_once,
+):
+    """The train check's N steps and its evaluations before and after them, then the compile
+    check's abstract lowering of the same step: one trace of each twin's train and eval step
+    (the compile check lowers the step the train check ran, and compiles it once more only
+    where that one was a persistent-cache read)."""
+    from parity.decoder import checks as decoder_checks
+    from parity.engine import checks as engine_checks
+
+    pair = DecoderPair(tiny("llama2-tiny"))
+    trained = engine_checks.train(pair, steps=3)
+    compiled = decoder_checks.compile_cost(pair)
+    assert trained.passed and compiled.passed, (trained.where, compiled.where)
+    assert len(trained.steps) == 3

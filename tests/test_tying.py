@@ -60,14 +60,21 @@ def test_a_tied_config_has_no_logits_head_leaf_on_either_side():
     assert len(convert.flatten_dict(untied["params"])) == len(linen) + 1
 
 
+# The lookup reads the table gathered over fsdp (`Embed`): its gradient is summed per fsdp
+# shard and reduce-scattered, and the tied program adds the head's share before that sum ends,
+# where the test adds it after: the same addends in another order. Measured on both layouts:
+# 0.38 ulp at scale (max_rel 4.54e-8); one float32 ulp is the bound.
+SUM_ORDER = compare.Tolerance(float(np.finfo(np.float32).eps), "one rounding of the tied sum")
+
+
 @pytest.mark.parametrize("framework", ["linen", "nnx"])
 @pytest.mark.parametrize("use_pipeline,layout", LAYOUTS, ids=[name for _, name in LAYOUTS])
 def test_the_tied_gradient_is_the_sum_of_the_lookup_and_head_gradients(
     framework, use_pipeline, layout
 ):
     """The tied model against the untied one whose head holds a copy of the table: same loss
-    and logits, and the table's gradient equals the lookup's plus the (transposed) head's,
-    bit for bit."""
+    and logits, bit for bit, and the table's gradient equals the lookup's plus the
+    (transposed) head's within one rounding of that sum (SUM_ORDER)."""
     s = session()
     cfg = s.cfg
     variables = tied_variables(use_pipeline)
@@ -83,7 +90,7 @@ def test_the_tied_gradient_is_the_sum_of_the_lookup_and_head_gradients(
     head = np.asarray(untied.grads["params"]["logits_dense"]["kernel"]).T
     total = tied.grads["params"]["token_embedder"]["embedding"]
     diff = compare.leaf_diff("embedding", total, np.asarray(lookup) + head)
-    assert diff.max_rel <= tol.max_rel, (layout, diff)
+    assert diff.max_rel <= SUM_ORDER.max_rel, (layout, diff)
     # Both uses contribute: neither alone is the tied gradient.
     for part in (lookup, head):
         assert compare.leaf_diff("part", total, part).max_rel > 1e-3

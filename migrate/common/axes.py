@@ -55,6 +55,8 @@ BATCH_NO_EXP_LENGTH_EXP_MLP = (
 )
 PER_STAGE = ("activation_stage",)  # one value per stage (its summed load-balancing loss)
 STAGE_BATCH_LENGTH_EMBED = ("activation_stage", *BATCH_LENGTH_EMBED)
+# The embedding's rows as the lookup hands them on: split over the batch axes, `embed` whole.
+EMBEDDING_ROWS = ("activation_batch", "activation_length", None)
 MICROBATCH_BATCH_LENGTH_EMBED = (None, *BATCH_LENGTH_EMBED)
 STAGE_MICROBATCH_BATCH_LENGTH_EMBED = ("activation_stage", *MICROBATCH_BATCH_LENGTH_EMBED)
 # The non-pipelined part (embedding, final norm, logits head, loss) runs on a batch of its own

@@ -37,7 +37,7 @@ class Decoder(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg, rules = self.config, self.config.logical_axis_rules
-        token_embedder = Embed(cfg, name="token_embedder")
+        token_embedder = Embed(cfg, self.mesh, name="token_embedder")
         x = token_embedder(tokens)
         x = nn.with_logical_constraint(
             x, axes.LOGITS_BATCH_LENGTH_EMBED, rules=rules, mesh=self.mesh

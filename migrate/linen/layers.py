@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
-from migrate.common import axes, moe, numerics
+from migrate.common import axes, moe, numerics, sharding
 from migrate.config.contract import Config
 
 # Large negative score for masked positions (finite, so a fully masked row stays NaN-free).
@@ -52,9 +52,18 @@ class DenseGeneral(nn.Module):
 
 
 class Embed(nn.Module):
-    """Token id -> embedding row; `attend` reuses the table as the logits head (tied)."""
+    """Token id -> embedding row; `attend` reuses the table as the logits head (tied).
+
+    On a `mesh`, the lookup reads the table gathered over `fsdp` (FSDP's gather for use) and
+    its rows leave it split over the batch axes only. Otherwise the gradient's scatter into the
+    table wants the rows' cotangent split like the table (`embed` over fsdp, or split over
+    tensor along `vocab` where the rows are along `embed`): reshards from the batch's split
+    that XLA's partitioner cannot express, so it replicates the whole cotangent on every
+    device (docs/performance.md, "No involuntary rematerialisation").
+    """
 
     config: Config
+    mesh: Mesh | None = None
 
     def setup(self) -> None:
         cfg = self.config
@@ -66,8 +75,14 @@ class Embed(nn.Module):
         )
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        table = self.embedding
-        return jnp.take(table, tokens, axis=0).astype(numerics.activation_dtype(self.config))
+        cfg, table = self.config, self.embedding
+        if self.mesh is None:
+            return jnp.take(table, tokens, axis=0).astype(numerics.activation_dtype(cfg))
+        table = jax.lax.with_sharding_constraint(
+            table, sharding.gathered_over_fsdp(axes.EMBEDDING, self.mesh, cfg)
+        )
+        rows = jnp.take(table, tokens, axis=0).astype(numerics.activation_dtype(cfg))
+        return sharding.constrain(rows, axes.EMBEDDING_ROWS, self.mesh, cfg.logical_axis_rules)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Logits `x @ embedding.T` in the activation dtype and matmul precision.

@@ -26,11 +26,13 @@ def make_loss_fn(
     cfg: Config, mesh: Mesh, use_pipeline: bool | None = None, bubble_fill: float = 0.0
 ) -> Callable:
     """`(params, batch) -> (loss, (logits, aux))` for the decoder the arguments describe: the
-    loss the optimizer sees (`training_loss`) and the load-balancing loss aux in it."""
+    loss the optimizer sees (`training_loss`) and the load-balancing loss aux in it. A
+    `bubble_fill` passed to the loss (an array) overrides the constant at run time."""
     model = Decoder(cfg, mesh, use_pipeline=use_pipeline, bubble_fill=bubble_fill)
 
-    def loss_fn(params, batch):
-        logits, aux = model.apply({"params": params}, batch["inputs"])
+    def loss_fn(params, batch, bubble_fill=None):
+        filled = model if bubble_fill is None else model.clone(bubble_fill=bubble_fill)
+        logits, aux = filled.apply({"params": params}, batch["inputs"])
         return training_loss(cfg, logits, aux, batch["targets"]), (logits, aux)
 
     return loss_fn

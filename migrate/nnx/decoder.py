@@ -43,7 +43,7 @@ class Decoder(nnx.Module):
         cfg = self.config = config
         self.mesh = mesh
         self.pipelined = cfg.using_pipeline if use_pipeline is None else use_pipeline
-        self.token_embedder = Embed(cfg, rngs=rngs)
+        self.token_embedder = Embed(cfg, mesh, rngs=rngs)
         if self.pipelined:
             self.pipeline = Pipeline(cfg, mesh, bubble_fill, rngs=rngs)
             if placement.has_layers_after_pipeline(cfg):

@@ -26,10 +26,13 @@ from migrate.nnx.decoder import training_loss
 
 def make_loss_fn(graphdef: nnx.GraphDef) -> Callable:
     """`(params, batch) -> (loss, (logits, aux))` for the decoder that `graphdef` describes:
-    the loss the optimizer sees (`training_loss`) and the load-balancing loss aux in it."""
+    the loss the optimizer sees (`training_loss`) and the load-balancing loss aux in it. A
+    `bubble_fill` passed to the loss (an array) overrides the constant at run time."""
 
-    def loss_fn(params, batch):
+    def loss_fn(params, batch, bubble_fill=None):
         model = nnx.merge(graphdef, params)
+        if bubble_fill is not None and model.pipelined:
+            model.pipeline.bubble_fill = bubble_fill
         logits, aux = model(batch["inputs"])
         return training_loss(model.config, logits, aux, batch["targets"]), (logits, aux)
 

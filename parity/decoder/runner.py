@@ -1,16 +1,17 @@
 """The check loop of a `parity` run: each selected check on a pair, its progress lines, its
-errors classified (a lost worker ends the run: exit 3), and the drill-down after a failed
+errors classified (a lost worker ends the run: exit 3), what each check cost (compilations,
+compile, run and compare seconds: `parity.engine.compiles`), and the drill-down after a failed
 forward or grads."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from migrate import errors
 from migrate.runtime import cli_support
 from parity.decoder.checks import CHECKS
+from parity.engine import compiles
 from parity.engine.result import errored
 from parity.reports.progress import StepProgress, progress
 
@@ -23,23 +24,26 @@ def run_checks(
     after: Sequence[tuple[str, Callable[[], Any]]] = (),
 ) -> tuple[list, list]:
     """Each selected check on `pair`, then each `(name, check)` of `after`, with progress
-    lines: (results, seconds per check). `drill_down`: run `layers` by itself when forward or
-    grads fails."""
-    results, durations = [], []
+    lines: (results, what each check cost: `compiles.Cost.as_json()`). `drill_down`: run
+    `layers` by itself when forward or grads fails."""
+    results, costs = [], []
     table = {**CHECKS, **getattr(pair, "own_checks", {})}  # a pair's own form of a check
 
     def run_check(name: str, check: Callable[[], Any]) -> None:
         cli_support.raise_if_interrupted()
-        start = time.perf_counter()
         progress(f"{name} ...")
-        try:
-            result = check()
-        except errors.WorkerLost:
-            raise  # exit 3 now: every later call would fail the same way
-        except Exception as e:  # failed (parity), bad_input or errored: `errored`
-            result = errored(name, e)
-        durations.append(time.perf_counter() - start)
-        progress(f"{name}: {result.status.upper()} ({durations[-1]:.1f}s)")
+        with compiles.measure() as cost:
+            try:
+                result = check()
+            except errors.WorkerLost:
+                raise  # exit 3 now: every later call would fail the same way
+            except Exception as e:  # failed (parity), bad_input or errored: `errored`
+                result = errored(name, e)
+        costs.append(cost)
+        progress(
+            f"{name}: {result.status.upper()} ({cost.wall_seconds:.1f}s, "
+            f"{cost.compilations} compilations {cost.compile_seconds:.1f}s)"
+        )
         if result.status in ("bad_input", "errored"):
             progress(f"{name}: {result.message}")
         results.append(result)
@@ -56,4 +60,4 @@ def run_checks(
         run_check("layers", lambda: table["layers"](pair))
     for name, check in after:
         run_check(name, check)
-    return results, durations
+    return results, [cost.as_json() for cost in costs]

@@ -106,6 +106,11 @@ class DecoderPair(Pair):
             self.linen.plain(host),
         )
 
+    def train_step_lowered(self, framework: str) -> Any:
+        """The train step as the other checks lowered it for real weights, where they did (the
+        compile check then traces nothing again); None: lower it from shapes."""
+        return self.side(framework).any_lowered()
+
     # ------------------------------------------------------------ the decoder's own runs
 
     @functools.cache  # noqa: B019 (one pair per config; lives as long as its runs)

@@ -21,6 +21,7 @@ from migrate.common import sharding as sharding_lib
 from migrate.config.contract import Config
 from parity.analysis import compare
 from parity.decoder import drilldown, twins
+from parity.engine import compiles
 from parity.engine.side import DrillStage, ProgramArray, Run, Side, Trainer
 from parity.multiprocess import distributed
 
@@ -63,12 +64,18 @@ class DecoderSide(Side):
         return self._program(weights)[1]
 
     def compiled(self, weights: Any) -> jax.stages.Compiled:
-        """The train step compiled for `weights` (once per weights object)."""
+        """The train step compiled for `weights`: once per program (the compile check's
+        abstract lowering of the same step is the same program, `compiles.compile_once`)."""
         held, lowered, compiled = self._program(weights)
         if compiled is None:
-            compiled = lowered.compile()
+            compiled = compiles.compile_once(lowered)[0].executable
             self._programs[id(weights)] = (held, lowered, compiled)
         return compiled
+
+    def any_lowered(self) -> jax.stages.Lowered | None:
+        """The train step as lowered for some weights already (the same program for any
+        weights: its shardings are pinned), or None."""
+        return next((lowered for _, lowered, _ in self._programs.values()), None)
 
     def _program(self, weights: Any) -> tuple[Any, Any, Any]:
         if id(weights) not in self._programs:

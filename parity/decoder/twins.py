@@ -17,6 +17,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh
@@ -47,8 +48,20 @@ def nnx_cache(fn: Callable) -> Callable:
 def fresh_copy(tree: Any) -> Any:
     """`tree` with every array copied into new buffers of the same sharding: what a train
     step, which donates its state, may consume while the original stays valid (the cached
-    initial weights, a state compared after the step)."""
-    return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
+    initial weights, a state compared after the step). One program copies them all."""
+    leaves, treedef = jax.tree.flatten(tree)
+    arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    copies = _copier(tuple(leaves[i].sharding for i in arrays))([leaves[i] for i in arrays])
+    for i, copy in zip(arrays, copies, strict=True):
+        leaves[i] = copy
+    return jax.tree.unflatten(treedef, leaves)
+
+
+@functools.cache
+def _copier(shardings: tuple[Any, ...]) -> Callable:
+    # Pinned out: a copy keeps its original's sharding; `jnp.copy` inside jit writes new
+    # buffers (an output that is an input unchanged would be the same buffer).
+    return jax.jit(lambda arrays: [jnp.copy(x) for x in arrays], out_shardings=list(shardings))
 
 
 def schedule_free(cfg: Config) -> Config:
@@ -82,28 +95,36 @@ def compute_config(cfg: Config) -> Config:
 
 
 def with_grad_norm(loss_fn: Callable) -> Callable:
-    """`(params, batch) -> ((loss, logits, aux, grad_norm), grads)`: the global gradient norm
-    is computed inside the jitted step from the sharded gradients, as gradient clipping does;
-    aux is the load-balancing loss inside `loss`."""
+    """`(params, batch, bubble_fill) -> ((loss, logits, aux, grad_norm), grads)`: the global
+    gradient norm is computed inside the jitted step from the sharded gradients, as gradient
+    clipping does; aux is the load-balancing loss inside `loss`. `bubble_fill` (a float32
+    scalar, `fill_value`) fills the pipeline's unwritten buffer slots: an argument, so that the
+    `bubbles` check's NaN runs the forward program every other check runs."""
 
-    def step(params, batch):
-        (loss, (logits, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    def step(params, batch, bubble_fill=None):
+        (loss, (logits, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, batch, bubble_fill
+        )
         return (loss, logits, aux, optax.global_norm(grads)), grads
 
     return step
 
 
-def linen_step(
-    cfg: Config, mesh: Mesh, use_pipeline: bool | None = None, bubble_fill: float = 0.0
-) -> Callable:
-    """Jitted `(params, batch) -> ((loss, logits, aux, grad_norm), grads)` for a Linen decoder
-    (cached)."""
-    return _linen_step(compute_config(cfg), mesh, use_pipeline, bubble_fill)
+def fill_value(bubble_fill: float) -> np.ndarray:
+    """The bubble fill as the step's argument: always a float32 scalar (a Python float is
+    weakly typed, another trace)."""
+    return np.float32(bubble_fill)
+
+
+def linen_step(cfg: Config, mesh: Mesh, use_pipeline: bool | None = None) -> Callable:
+    """Jitted `(params, batch, bubble_fill) -> ((loss, logits, aux, grad_norm), grads)` for a
+    Linen decoder (cached)."""
+    return _linen_step(compute_config(cfg), mesh, use_pipeline)
 
 
 @functools.cache
-def _linen_step(cfg: Config, mesh: Mesh, use_pipeline: bool | None, bubble_fill: float) -> Callable:
-    return jax.jit(with_grad_norm(linen_train.make_loss_fn(cfg, mesh, use_pipeline, bubble_fill)))
+def _linen_step(cfg: Config, mesh: Mesh, use_pipeline: bool | None) -> Callable:
+    return jax.jit(with_grad_norm(linen_train.make_loss_fn(cfg, mesh, use_pipeline)))
 
 
 def linen_train_fns(cfg: Config, mesh: Mesh) -> tuple[Callable, Callable]:
@@ -162,8 +183,10 @@ def run_linen(
     use_pipeline: bool | None = None,
     bubble_fill: float = 0.0,
 ) -> Run:
-    step = linen_step(cfg, mesh, use_pipeline, bubble_fill)
-    (loss, logits, aux, grad_norm), grads = step(variables["params"], batch)
+    step = linen_step(cfg, mesh, use_pipeline)
+    (loss, logits, aux, grad_norm), grads = step(
+        variables["params"], batch, fill_value(bubble_fill)
+    )
     loss, logits, aux, grad_norm, grads = distributed.to_host((loss, logits, aux, grad_norm, grads))
     return Run(loss, logits, {"params": nn.meta.unbox(grads)}, grad_norm, **aux_loss(cfg, aux))
 
@@ -197,18 +220,16 @@ def nnx_abstract(
 
 @nnx_cache
 def _nnx_step(
-    cfg: Config, mesh: Mesh, use_pipeline: bool | None, bubble_fill: float, mode: tuple[bool, bool]
+    cfg: Config, mesh: Mesh, use_pipeline: bool | None, mode: tuple[bool, bool]
 ) -> Callable:
-    graphdef, _ = _nnx_abstract(cfg, mesh, use_pipeline, bubble_fill, mode)
+    graphdef, _ = _nnx_abstract(cfg, mesh, use_pipeline, 0.0, mode)
     return jax.jit(with_grad_norm(nnx_train.make_loss_fn(graphdef)))
 
 
-def nnx_step(
-    cfg: Config, mesh: Mesh, use_pipeline: bool | None = None, bubble_fill: float = 0.0
-) -> Callable:
-    """Jitted `(params, batch) -> ((loss, logits, aux, grad_norm), grads)` in the functional form
-    (cached)."""
-    return _nnx_step(compute_config(cfg), mesh, use_pipeline, bubble_fill, nnx_mode())
+def nnx_step(cfg: Config, mesh: Mesh, use_pipeline: bool | None = None) -> Callable:
+    """Jitted `(params, batch, bubble_fill) -> ((loss, logits, aux, grad_norm), grads)` in the
+    functional form (cached)."""
+    return _nnx_step(compute_config(cfg), mesh, use_pipeline, nnx_mode())
 
 
 def nnx_train_fns(cfg: Config, mesh: Mesh) -> tuple[Callable, Callable]:
@@ -261,8 +282,8 @@ def run_nnx(
     use_pipeline: bool | None = None,
     bubble_fill: float = 0.0,
 ) -> Run:
-    step = nnx_step(cfg, mesh, use_pipeline, bubble_fill)
-    (loss, logits, aux, grad_norm), grads = step(params, batch)
+    step = nnx_step(cfg, mesh, use_pipeline)
+    (loss, logits, aux, grad_norm), grads = step(params, batch, fill_value(bubble_fill))
     loss, logits, aux, grad_norm = distributed.to_host((loss, logits, aux, grad_norm))
     grads = distributed.to_host(nn.meta.unbox(convert.nnx_to_linen(grads)))
     return Run(loss, logits, grads, grad_norm, **aux_loss(cfg, aux))

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from migrate.checkpoints import convert
 from migrate.common import sharding as sharding_lib
 from parity.analysis import hlo, hlo_diff
+from parity.engine.compiles import comparing
 from parity.engine.pair import SOURCES, Pair
 from parity.engine.result import CheckResult, fact_record, facts_verdict
 
@@ -218,7 +219,8 @@ def program(pair: Pair) -> CheckResult:
             texts = [pair.compiled(f).as_text() for f in SOURCES]
         else:
             texts = [pair.lowered(f).as_text(dialect="hlo", debug_info=True) for f in SOURCES]
-        found = hlo_diff.diff(hlo_diff.parse(texts[0]), hlo_diff.parse(texts[1]))
+        with comparing():
+            found = hlo_diff.diff(hlo_diff.parse(texts[0]), hlo_diff.parse(texts[1]))
         summaries.append(found.summary(f"{stage} HLO"))
         records.append(
             {

@@ -20,6 +20,7 @@ from migrate.checkpoints import convert
 from migrate.common.layout import LayoutError
 from migrate.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_USAGE
 from parity.analysis import compare
+from parity.engine.compiles import compare_timed
 from parity.engine.side import SideError
 from parity.multiprocess import distributed
 
@@ -128,6 +129,7 @@ def numeric_records(
     ]
 
 
+@compare_timed
 def tree_records(
     prefix: str,
     actual: Any,
@@ -155,6 +157,7 @@ def one_sided_record(tensor: str, note: str) -> dict:
     }
 
 
+@compare_timed
 def keyed_records(prefix: str, nnx: Any, linen: Any, tol: compare.Tolerance) -> list[dict]:
     """Records for two trees matched leaf by leaf on their paths (NNX against Linen), in
     Linen's order: a leaf on one side only, or of another shape, is a failed record that says

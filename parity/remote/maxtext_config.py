@@ -19,6 +19,7 @@ from typing import Any
 
 from migrate.config import safe_load
 from migrate.errors import BadInput
+from parity.decoder import catalog
 from parity.remote.client import REPO
 
 MAX_BYTES = 1 << 16
@@ -32,6 +33,7 @@ CHECKS = ("roundtrip", "init", "forward", "grads", "sharding", "train", "compile
 # request: MaxText's own train.py writes, each release restores and trains one more step,
 # `parity.remote.maxtext_checkpoint`) exists only here.
 OWN_CHECKS = ("compile", "layers", "checkpoint")
+CHECK_NAMES = (*catalog.CHECK_NAMES, "checkpoint")  # what --checks may name with --maxtext
 ICI = re.compile(r"^ici_(\w+)_parallelism$")
 
 

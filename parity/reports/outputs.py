@@ -69,12 +69,14 @@ class Outputs:
             elif self.golden.is_dir():
                 raise BadInput(f"--golden: {self.golden} is a directory")
 
-    def write(self, results: Sequence[Any], name: str, durations: Sequence[float]) -> int:
-        """Each requested report; the exit status of those that could not be written (named
-        on stderr), EXIT_PASS when all were."""
+    def write(self, results: Sequence[Any], name: str, costs: Sequence[dict[str, Any]]) -> int:
+        """Each requested report (`costs`: per result, `compiles.Cost.as_json()`); the exit
+        status of those that could not be written (named on stderr), EXIT_PASS when all
+        were."""
         status = EXIT_PASS
+        durations = [cost["wall_seconds"] for cost in costs]
         writers = (
-            ("--json", self.json, lambda p: report.write_json(results, name, p)),
+            ("--json", self.json, lambda p: report.write_json(results, name, p, costs)),
             ("--junit", self.junit, lambda p: report.write_junit(results, name, p, durations)),
             ("--plot", self.plot, lambda p: report.write_plot(results, name, p)),
         )

@@ -56,8 +56,15 @@ def _fmt(value: float) -> str:
     return f"{value:.3g}"
 
 
-def render_table(results: Sequence[Any], name: str, console: Console | None = None) -> None:
-    """check | verdict | worst error | tolerance | where; then each check's note."""
+def render_table(
+    results: Sequence[Any],
+    name: str,
+    console: Console | None = None,
+    costs: Sequence[dict[str, Any]] | None = None,
+) -> None:
+    """check | verdict | worst error | tolerance | where (| compilations | compile/run/compare
+    seconds, with `costs`: one `compiles.Cost.as_json()` per result, and a total row); then
+    each check's note."""
     # CI logs are not terminals: give the table room instead of rich's 80-column default.
     console = console or Console(width=None if sys.stdout.isatty() else 160)
     table = Table(title=printable(f"parity: {name}"))
@@ -66,23 +73,42 @@ def render_table(results: Sequence[Any], name: str, console: Console | None = No
     table.add_column("worst error")
     table.add_column("tolerance")
     table.add_column("where", overflow="fold")
-    for r in results:
-        table.add_row(
-            r.name,
-            VERDICTS[r.status],
-            f"{r.metric}={_fmt(r.value)}",
-            _fmt(r.tolerance),
-            printable(r.where),
-        )
+    if costs is not None:
+        table.add_column("compiles", justify="right")
+        table.add_column("compile/run/compare s", justify="right")
+    for i, r in enumerate(results):
+        cells = [r.name, VERDICTS[r.status], f"{r.metric}={_fmt(r.value)}", _fmt(r.tolerance)]
+        cells.append(printable(r.where))
+        table.add_row(*cells, *([] if costs is None else _cost_cells(costs[i])))
+    if costs is not None:
+        table.add_row("total", "", "", "", "", *_cost_cells(total_cost(costs)))
     console.print(table)
     for r in results:
         if r.message:
             console.print(printable(f"  {r.name}: {r.message}"), soft_wrap=True, markup=False)
 
 
-def to_json(results: Sequence[Any], name: str) -> dict[str, Any]:
-    """The versioned machine-readable report."""
-    return {
+def _cost_cells(cost: dict[str, Any]) -> list[str]:
+    reads = f" ({cost['cache_reads']} cached)" if cost["cache_reads"] else ""
+    seconds = (cost["compile_seconds"], cost["run_seconds"], cost["compare_seconds"])
+    return [f"{cost['compilations']}{reads}", "/".join(f"{x:.1f}" for x in seconds)]
+
+
+def total_cost(costs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The sum of per-check costs (`compiles.Cost.as_json()`), programs concatenated."""
+    total: dict[str, Any] = {"programs": []}
+    for cost in costs:
+        for key, value in cost.items():
+            total[key] = total.get(key, 0) + value if key != "programs" else total[key] + value
+    return total
+
+
+def to_json(
+    results: Sequence[Any], name: str, costs: Sequence[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """The versioned machine-readable report; with `costs` (one `compiles.Cost.as_json()` per
+    result), each check's `cost` and the run's total."""
+    report = {
         "version": JSON_SCHEMA_VERSION,
         "config": name,
         "passed": all(r.passed for r in results),
@@ -104,11 +130,21 @@ def to_json(results: Sequence[Any], name: str) -> dict[str, Any]:
             for r in results
         ],
     }
+    if costs is not None:
+        for check, cost in zip(report["checks"], costs, strict=True):
+            check["cost"] = cost
+        report["cost"] = total_cost(costs)
+    return report
 
 
-def write_json(results: Sequence[Any], name: str, path: str | Path) -> None:
+def write_json(
+    results: Sequence[Any],
+    name: str,
+    path: str | Path,
+    costs: Sequence[dict[str, Any]] | None = None,
+) -> None:
     Path(path).write_text(
-        json.dumps(to_json(results, name), indent=2, sort_keys=True, default=str) + "\n"
+        json.dumps(to_json(results, name, costs), indent=2, sort_keys=True, default=str) + "\n"
     )
 
 
