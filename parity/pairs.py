@@ -26,6 +26,7 @@ and compared after each call, and so is every sown value:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -38,7 +39,7 @@ from migrate.config.contract import Rules
 from migrate.errors import EXIT_PASS
 from parity.analysis import compare
 from parity.engine import checks as engine_checks
-from parity.engine import pair_args, programs, randomness
+from parity.engine import order, pair_args, programs, randomness
 from parity.engine.calls import DEFAULT_COLLECTIONS, Call, Randomness, named
 from parity.engine.modules import LinenModuleSide, LossFn, NNXModuleSide, mean_square_loss
 from parity.engine.pair import Pair, vacuity_problems
@@ -88,6 +89,14 @@ class ModulePair(Pair):
         super().__init__(linen, nnx_side, tolerance)
         self.rules, self.mesh = rules, mesh
         self.calls = linen.calls
+
+    @functools.cached_property
+    def _rank(self) -> order.ExecutionRank:
+        return order.ExecutionRank(self.linen.execution_order)
+
+    def rank(self, tensor: str) -> int:
+        """A record's place in the Linen module's execution order."""
+        return self._rank(tensor)
 
     def batch(self, step: int = 0, split: str = "train") -> Any:
         """Each side trains and evaluates on its own calls (their arguments can differ)."""

@@ -134,7 +134,10 @@ class NNXBlock(nnx.Module):
 
 class NNXModel(nnx.Module):
     """The port. Seeded bugs: `scale` in block 1's attention, `drop_attn=False` (block 1
-    forgets its attention dropout), `swap` (block 0 uses each LayerNorm in the other's place)."""
+    forgets its attention dropout), `swap` (block 0 uses each LayerNorm in the other's place).
+    `embed_name` is the embedding's attribute (`wte` needs a rename, and sorts after `norm`)."""
+
+    embed_name = "embed"
 
     def __init__(
         self,
@@ -145,13 +148,14 @@ class NNXModel(nnx.Module):
         drop_attn: bool = True,
         swap: bool = False,
     ):
-        self.embed = nnx.Embed(
+        embed = nnx.Embed(
             VOCAB,
             EMBED,
             embedding_init=nnx.initializers.normal(1.0),
             embedding_metadata=_meta("vocab", "embed"),
             rngs=rngs,
         )
+        setattr(self, self.embed_name, embed)
         self.drop_embed = nnx.Dropout(DROPOUT, rngs=rngs)
         self.block_0 = NNXBlock(rngs=rngs, swap=swap)
         self.block_1 = NNXBlock(rngs=rngs, scale=scale, drop_attn=drop_attn)
@@ -164,12 +168,13 @@ class NNXModel(nnx.Module):
             getattr(self, name).attn.decode = True
 
     def __call__(self, token_ids):
-        x = self.drop_embed(self.embed(token_ids))
+        embed = getattr(self, self.embed_name)
+        x = self.drop_embed(embed(token_ids))
         mask = None if self.decode else nn.make_causal_mask(token_ids)
         for name in BLOCKS:
             x = getattr(self, name)(x, mask)
             self.sow(nnx.Intermediate, f"{name}_out", x)
-        return self.embed.attend(self.norm(x))
+        return embed.attend(self.norm(x))
 
 
 def nnx_model(**kwargs) -> NNXModel:
@@ -178,3 +183,12 @@ def nnx_model(**kwargs) -> NNXModel:
     if kwargs.get("decode"):
         model.init_cache()
     return model
+
+
+class NNXRenamedModel(NNXModel):
+    """The port with the embedding named as GPT-2 names it: needs `RENAMES`."""
+
+    embed_name = "wte"
+
+
+RENAMES = {("embed",): ("wte",)}

@@ -292,7 +292,13 @@ def layers(pair: Pair) -> CheckResult:
         linen_out, linen_caps = linen_stage.apply(x)
         _, nnx_caps = nnx_stage.apply(x)
         order = {name: i for i, name in enumerate(linen_stage.order)}
-        for name in sorted(set(linen_caps) | set(nnx_caps), key=lambda n: order.get(n, len(order))):
+        # Execution order, then the name: never the order of a set (it changes with hashing).
+        names = sorted(set(linen_caps) | set(nnx_caps), key=lambda n: (order.get(n, len(order)), n))
+        for name in names:
+            if (name not in linen_caps and pair.linen.opaque(name)) or (
+                name not in nnx_caps and pair.nnx.opaque(name)
+            ):
+                continue  # inside a bridged layer: that side captures only the layer's output
             fields = linen_stage.fields(name)
             if name not in linen_caps or name not in nnx_caps:
                 records.append(

@@ -152,6 +152,12 @@ class Side(abc.ABC):
         """The model cut into parts for the drill-down (default: none)."""
         return []
 
+    def opaque(self, capture: str) -> bool:
+        """Whether this side cannot see the capture `capture` (inside a layer of the other
+        framework, held through `nnx.bridge`): missing here, it is not compared."""
+        del capture
+        return False
+
     # ------------------------------------------------------------ randomness
 
     def stochastic_calls(self) -> dict[int, tuple[str, Any]]:
