@@ -26,6 +26,7 @@ and compared after each call, and so is every sown value:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -35,6 +36,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from migrate.checkpoints.convert import ConversionError
 from migrate.config.contract import Rules
 from migrate.errors import EXIT_PASS
 from parity.analysis import compare
@@ -45,6 +47,7 @@ from parity.engine.modules import LinenModuleSide, LossFn, NNXModuleSide, mean_s
 from parity.engine.pair import Pair, vacuity_problems
 from parity.engine.pair_args import PairArgumentError
 from parity.engine.programs import PROGRAM_PRIMITIVES, count_primitives
+from parity.engine.renames import suggest as suggest_renames
 from parity.engine.result import EXIT_STATUS, CheckResult, errored, skipped
 from parity.engine.side import Run
 from parity.reports import report
@@ -77,6 +80,9 @@ class ModulePair(Pair):
 
     roundtrip_note = ROUNDTRIP_NOTE
     program_name = "forward+backward"
+    # Outputs, state and sown values flow forward: the first that differs is the place (the
+    # larger errors downstream are its consequence). Gradients flow both ways: the largest.
+    earliest = frozenset({"forward"})
 
     def __init__(
         self,
@@ -199,8 +205,25 @@ def _run_check(pair: ModulePair, name: str) -> CheckResult:
     try:
         check = AVAILABLE[name]
         return check(pair, TRAIN_STEPS) if name == "train" else check(pair)
+    except ConversionError as error:  # paths that differ: suggest the renames that fit
+        return _with_renames(errored(name, error), pair)
     except Exception as error:  # a failing check, reported
         return errored(name, error)
+
+
+def _with_renames(result: CheckResult, pair: ModulePair) -> CheckResult:
+    try:
+        suggested = suggest_renames(pair.linen.leaf_shapes(), pair.nnx.leaf_shapes())
+    except Exception:  # no suggestion where the shapes cannot be read; the error stands
+        return result
+    if not suggested:
+        return result
+    ready = {**pair.nnx.renames, **suggested}
+    return dataclasses.replace(
+        result,
+        message=f"paths differ; matched by shape and position, try renames={ready!r}\n"
+        + result.message,
+    )
 
 
 def _has_params(pair: ModulePair) -> bool:

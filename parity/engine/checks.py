@@ -134,7 +134,8 @@ def _both_sources(pair: Pair, name: str, parts: Sequence[str]) -> CheckResult:
         linen_run, nnx_run = pair.run("linen", source), pair.run("nnx", source)
         named |= {f"linen ({source}-init)": linen_run, f"nnx ({source}-init)": nnx_run}
         records += run_records(f"{source}-init/", nnx_run, linen_run, tol, parts, pair.output_name)
-    return verdict(name, records, tol, vacuity(pair, named), rank=pair.rank)
+    earliest = name in pair.earliest
+    return verdict(name, records, tol, vacuity(pair, named), rank=pair.rank, earliest=earliest)
 
 
 def forward(pair: Pair) -> CheckResult:

@@ -306,8 +306,10 @@ class ModuleSide(Side):
 
     def draws(self, weights: Any, index: int) -> Any:
         """`randomness.draws` independent calls of stochastic call `index` from `weights`
-        (the state of each draw is the weights', the RNG state is carried): its outputs,
-        stacked on a leading draw axis, on the host."""
+        (the state of each draw is the weights', the RNG state is carried), stacked on a
+        leading draw axis, on the host: `{"outputs": ..., "sites": {capture: ...}}`, the
+        sites (every submodule's output, by Linen path) only where the sides' keys are not
+        aligned (the distributions are compared site by site)."""
         params, state, rng = self.split(weights)
         keys = draw_keys(self.seed, index, self.calls[index].randomness.draws)
         with self.context():
@@ -318,10 +320,16 @@ class ModuleSide(Side):
 
     @functools.cache  # noqa: B019 (one side per pair; compiled once per call)
     def _draw_fn(self, index: int) -> Callable:
+        sites = not self.calls[index].randomness.aligned
+
         def all_draws(params, state, rng, arrays, keys):
             def body(rng, key):
-                out, _, rng, _ = self.apply_call(index, params, state, rng, arrays, key)
-                return rng, out
+                out, _, rng, captured = self.apply_call(
+                    index, params, state, rng, arrays, key, capture_all=sites
+                )
+                found = self.captures(captured) if sites else {}
+                found.pop("output", None)  # the outputs themselves, compared as such
+                return rng, {"outputs": out, "sites": found}
 
             return jax.lax.scan(body, rng, keys)[1]
 

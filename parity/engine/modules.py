@@ -22,7 +22,7 @@ from flax.core import DenyList
 from flax.nnx import bridge
 
 from migrate.checkpoints import convert
-from parity.engine import bridges, order
+from parity.engine import bridges, hints, order
 from parity.engine.calls import is_sown
 from parity.engine.module_base import (
     CallResult,
@@ -136,6 +136,11 @@ class LinenModuleSide(ModuleSide):
     def to_common(self, weights: Any) -> dict[str, Any]:
         return weights
 
+    def leaf_shapes(self) -> dict[Path, tuple]:
+        """`(collection, *path)` -> shape of every variable, in Linen's order."""
+        flat = convert.flatten_dict(nn.meta.unbox(self._target))
+        return {tuple(str(k) for k in path): tuple(x.shape) for path, x in flat.items()}
+
     def from_common(self, variables: dict[str, Any]) -> Any:
         return convert.check_linen(variables, self._target)
 
@@ -239,6 +244,16 @@ class NNXModuleSide(ModuleSide):
     def own_weights(self) -> Any:
         return self.template
 
+    def leaf_shapes(self) -> dict[Path, tuple]:
+        """`(collection, *Linen path)` -> shape of every variable (`renames` applied)."""
+        return {
+            (
+                convert.collection_of(type(v), self.collections) or "?",
+                *to_linen_path(module_keys(path), self.renames),
+            ): tuple(v.get_value().shape)
+            for path, v in nnx.to_flat_state(self.template)
+        }
+
     def to_common(self, weights: Any) -> dict[str, Any]:
         return convert.nnx_to_linen(weights, renames=self.renames, collections=self.collections)
 
@@ -270,7 +285,7 @@ class NNXModuleSide(ModuleSide):
         call = self.calls[index]
         args, kwargs = self.call_inputs[index].rebuild(arrays)
         if call.randomness is not None and call.randomness.nnx_arg and key is not None:
-            kwargs[call.randomness.nnx_arg] = key
+            kwargs[call.randomness.nnx_arg] = call.randomness.nnx_value(key)
         # copy: the merged Variables belong to this trace level (BatchNorm under jax.grad).
         model = nnx.merge(self.graphdef, params, state, rng, copy=True)
         bridges.shield_bridges(model)
@@ -287,7 +302,9 @@ class NNXModuleSide(ModuleSide):
                 method_outputs=nnx.Intermediate if capture_all else None,
             )(model, *args, **kwargs)
         except Exception as error:
-            raise SideError(self.framework, f"call {call.name!r}", error) from error
+            nnx_arg = call.randomness.nnx_arg if call.randomness else None
+            hint = hints.nnx_hint(error, nnx_arg)
+            raise SideError(self.framework, f"call {call.name!r}", error, hint) from error
         _, new_state, new_rng = nnx.state(model, nnx.Param, self.state_types, ...)
         return out, new_state, new_rng, nnx.merge_state(*captured)  # one State per sown type
 

@@ -71,6 +71,19 @@ def skipped(name: str, metric: str, tolerance: float, reason: str) -> CheckResul
     return CheckResult(name, True, metric, 0.0, tolerance, "-", message=reason, status="skipped")
 
 
+def whole_lines(text: str, limit: int) -> str:
+    """`text` cut to whole lines within `limit` characters, and a last line counting the
+    lines left out (never a path cut in the middle, never a wrong count)."""
+    lines, kept, size = text.splitlines(), [], 0
+    for line in lines:
+        if kept and size + len(line) + 1 > limit:
+            break
+        kept.append(line)
+        size += len(line) + 1
+    left = len(lines) - len(kept)
+    return "\n".join(kept + ([f"  ... and {left} more lines"] if left else []))
+
+
 def errored(name: str, error: Exception) -> CheckResult:
     """A check that raised. A `PARITY_ERRORS` exception (converter errors list every path) is a
     failed check; so is a `SideError` of the NNX side (the port raises where its original
@@ -82,7 +95,7 @@ def errored(name: str, error: Exception) -> CheckResult:
     where = text.splitlines()[1].strip(" -") if len(text.splitlines()) > 1 else first_line
     details: tuple[dict[str, Any], ...] = ()
     if isinstance(error, SideError):
-        status = "failed" if error.framework == "nnx" else "bad_input"
+        status = "failed" if error.framework == "nnx" and not error.hint else "bad_input"
         message, where = first_line, f"{error.framework}: {error.where}"
         # The first line says what went wrong; the whole error is there on request.
         details = (
@@ -95,7 +108,7 @@ def errored(name: str, error: Exception) -> CheckResult:
             },
         )
     elif isinstance(error, PARITY_ERRORS):
-        status, message = "failed", f"{type(error).__name__}: {text[:4000]}"
+        status, message = "failed", f"{type(error).__name__}: {whole_lines(text, 4000)}"
     else:
         exit_status, _, message = errors.classify(error)
         status = "bad_input" if exit_status == EXIT_USAGE else "errored"
@@ -253,14 +266,19 @@ def verdict(
     problems: Sequence[str] = (),
     rank: Rank | None = None,
     note: str | None = None,
+    earliest: bool = False,
 ) -> CheckResult:
     """The verdict over numeric `records`. `where` names the first failing record in check
     order (the step order of `train`, the data flow of `layers`) or, given a data-flow `rank`,
     the failing record with the largest error relative to its scale (`ranked_errors`: noise
-    leaves against a floor), the earliest in the data flow among equals; when nothing fails,
+    leaves against a floor), the earliest in the data flow among equals (with `earliest`:
+    the earliest failing record in the data flow, where a value that flows forward first
+    parts ways); when nothing fails,
     the worst record; a vacuous run (`problems` and no failing record), its first problem."""
     failing = [r for r in records if not r["passed"]]
-    if failing and rank is not None:
+    if failing and rank is not None and earliest:
+        worst = min(failing, key=lambda r: rank(r["tensor"]))  # stable: record order on ties
+    elif failing and rank is not None:
         error = ranked_errors(failing)
         worst = min(failing, key=lambda r: (-error(r), rank(r["tensor"])))
     else:
