@@ -1,7 +1,7 @@
-"""A whole-model pair of the project's own for `compare_modules`: a tiny Transformer language
-model in Linen and its NNX port (embedding, two pre-norm blocks of attention with a decode
-cache and an MLP, dropout at three sites, logically annotated weights, logits through the
-tied embedding), and the seeded bugs the tests expect to be caught where they are.
+"""A whole-model pair for `compare_modules` (the migration guide's section 13, gated in
+tests/test_whole_model.py): a tiny Transformer language model in Linen and its NNX port
+(embedding, two pre-norm blocks of attention with a decode cache and an MLP, dropout at three
+sites, logically annotated weights, logits through the tied embedding), and seeded bugs.
 
 The NNX attention takes Linen's attention kernel (`linen_attention`): NNX's default kernel is
 `jax.nn.dot_product_attention`, which is exact in the outputs but not in every gradient on
@@ -177,9 +177,10 @@ class NNXModel(nnx.Module):
         return embed.attend(self.norm(x))
 
 
-def nnx_model(**kwargs) -> NNXModel:
+def nnx_model(seed: int = 0, **kwargs) -> NNXModel:
+    """The port (with `kwargs`' seeded bugs), its cache made when it decodes."""
     with nnx.use_eager_sharding(False):
-        model = NNXModel(rngs=nnx.Rngs(0), **kwargs)
+        model = NNXModel(rngs=nnx.Rngs(seed), **kwargs)
     if kwargs.get("decode"):
         model.init_cache()
     return model
