@@ -8,9 +8,12 @@ carried from draw to draw, as training carries it). Then:
   other's do not fails, and so does a call where neither side varies (dropout never on);
 - **aligned keys** (`Randomness.aligned`: the same raw key on both sides): every draw is
   compared leaf by leaf against the pair's tolerance (bit-exact by default);
-- **otherwise, the distributions**: per output leaf, seven statistics of each draw (mean, mean
-  square, fraction of exact zeros, four fixed random projections) are compared between the
-  sides, their means by Welch's t-test and their spreads by the Brown-Forsythe test. A wrong
+- **otherwise, the distributions**: per output leaf and per submodule output (every site
+  both sides capture, by Linen path, in execution order: a dropout missing at one site of
+  several is named there, where the outputs alone barely move; bench/random_sites.py), seven
+  statistics of each draw (mean, mean square, fraction of exact zeros, four fixed random
+  projections) are compared between the sides, their means by Welch's t-test and their
+  spreads by the Brown-Forsythe test. A wrong
   rate moves the zero fraction and the mean square; a mask applied at another place changes
   the zeros and the projections' spread. The significance `ALPHA` is shared by all tests of a
   check (Bonferroni), so that a correct port fails at most once in `1 / ALPHA` runs.
