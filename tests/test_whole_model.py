@@ -272,3 +272,14 @@ def test_a_missing_mode_flag_is_bad_input_with_a_hint():
     results = compare_modules(linen, port, Call((x,), {"deterministic": True}), checks=["forward"])
     assert exit_status(results) == errors.EXIT_USAGE
     assert "Call(nnx_attributes={'decode': ...})" in results[0].message
+
+
+def test_flax_errors_for_a_call_that_does_not_fit_become_hints():
+    from parity.engine.hints import nnx_hint
+
+    raw_key = TypeError("'DynamicJaxprTracer' object is not callable")
+    assert "nnx_arg_as='rngs'" in nnx_hint(raw_key, "rngs")
+    assert nnx_hint(raw_key, None) is None  # no key was passed: not ours to explain
+    cache = ValueError("Autoregressive cache not initialized, call ``init_cache`` first.")
+    assert "init_cache(input_shape)" in nnx_hint(cache, None)
+    assert nnx_hint(ValueError("shapes (2, 3) and (4,) differ"), None) is None

@@ -11,7 +11,7 @@ import re
 MODE = re.compile(r"No `(\w+)` argument was provided to (\w+)")
 NO_RNGS = re.compile(r"`deterministic` is False, but no `rngs` argument was provided to (\w+)")
 NO_CACHE = "cache not initialized"
-NOT_CALLABLE_KEY = re.compile(r"'\w*(Tracer|Array)' object is not callable")
+NOT_CALLABLE_KEY = re.compile(r"'\w*(Tracer|Array)' object (is not callable|has no attribute)")
 
 
 def nnx_hint(error: BaseException, nnx_arg: str | None) -> str | None:
