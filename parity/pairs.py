@@ -26,6 +26,8 @@ and compared after each call, and so is every sown value:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -34,16 +36,18 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from migrate.checkpoints.convert import ConversionError
 from migrate.config.contract import Rules
 from migrate.errors import EXIT_PASS
 from parity.analysis import compare
 from parity.engine import checks as engine_checks
-from parity.engine import pair_args, programs, randomness
+from parity.engine import order, pair_args, programs, randomness
 from parity.engine.calls import DEFAULT_COLLECTIONS, Call, Randomness, named
 from parity.engine.modules import LinenModuleSide, LossFn, NNXModuleSide, mean_square_loss
 from parity.engine.pair import Pair, vacuity_problems
 from parity.engine.pair_args import PairArgumentError
 from parity.engine.programs import PROGRAM_PRIMITIVES, count_primitives
+from parity.engine.renames import suggest as suggest_renames
 from parity.engine.result import EXIT_STATUS, CheckResult, errored, skipped
 from parity.engine.side import Run
 from parity.reports import report
@@ -76,6 +80,9 @@ class ModulePair(Pair):
 
     roundtrip_note = ROUNDTRIP_NOTE
     program_name = "forward+backward"
+    # Outputs, state and sown values flow forward: the first that differs is the place (the
+    # larger errors downstream are its consequence). Gradients flow both ways: the largest.
+    earliest = frozenset({"forward"})
 
     def __init__(
         self,
@@ -88,6 +95,14 @@ class ModulePair(Pair):
         super().__init__(linen, nnx_side, tolerance)
         self.rules, self.mesh = rules, mesh
         self.calls = linen.calls
+
+    @functools.cached_property
+    def _rank(self) -> order.ExecutionRank:
+        return order.ExecutionRank(self.linen.execution_order)
+
+    def rank(self, tensor: str) -> int:
+        """A record's place in the Linen module's execution order."""
+        return self._rank(tensor)
 
     def batch(self, step: int = 0, split: str = "train") -> Any:
         """Each side trains and evaluates on its own calls (their arguments can differ)."""
@@ -190,8 +205,25 @@ def _run_check(pair: ModulePair, name: str) -> CheckResult:
     try:
         check = AVAILABLE[name]
         return check(pair, TRAIN_STEPS) if name == "train" else check(pair)
+    except ConversionError as error:  # paths that differ: suggest the renames that fit
+        return _with_renames(errored(name, error), pair)
     except Exception as error:  # a failing check, reported
         return errored(name, error)
+
+
+def _with_renames(result: CheckResult, pair: ModulePair) -> CheckResult:
+    try:
+        suggested = suggest_renames(pair.linen.leaf_shapes(), pair.nnx.leaf_shapes())
+    except Exception:  # no suggestion where the shapes cannot be read; the error stands
+        return result
+    if not suggested:
+        return result
+    ready = {**pair.nnx.renames, **suggested}
+    return dataclasses.replace(
+        result,
+        message=f"paths differ; matched by shape and position, try renames={ready!r}\n"
+        + result.message,
+    )
 
 
 def _has_params(pair: ModulePair) -> bool:

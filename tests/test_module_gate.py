@@ -160,8 +160,9 @@ def test_the_port_passes_with_each_side_drawing_its_own_keys():
 @pytest.mark.parametrize(
     "bug,where",
     [
-        (dict(rate=0.5), "train/outputs: mean square mean"),
-        (dict(cls=DropoutBeforeNorm), "train/outputs: mean square mean"),
+        # Named at the dropout itself: its output's keep rate, its scale.
+        (dict(rate=0.5), "train/drop: zero fraction mean"),
+        (dict(cls=DropoutBeforeNorm), "train/drop: mean square mean"),
         (dict(cls=RepeatedKey), "train: draws vary"),
     ],
     ids=["rate", "mask_before_norm", "repeated_key"],

@@ -189,12 +189,14 @@ def test_a_looser_tolerance_is_honoured():
 # ------------------------------------------------------------------ failing pairs
 
 
-def test_a_forward_bug_fails_forward_and_grads_at_the_first_place():
+def test_a_forward_bug_fails_forward_and_grads_at_the_largest_error():
     results = compare_modules(ex.LinenMLP(16), nnx_mlp(ExactGeluMLP), (X,))
     assert failing(results) == {
         "forward": "linen-init/outputs",
-        "grads": "linen-init/grads/down/kernel",
+        "grads": "linen-init/grads/up/kernel",  # through the GELU's derivative: the largest
     }
+    grads = {d["tensor"]: d["max_rel"] for d in results[2].details}
+    assert grads["linen-init/grads/up/kernel"] > grads["linen-init/grads/down/kernel"] > 0
     forward = results[1]
     assert forward.value > 0 and forward.tolerance == 0.0
     assert [d["passed"] for d in forward.details] == [False, False]  # from both sources
@@ -337,3 +339,62 @@ def test_compiled_programs_are_freed_only_past_the_map_limit_fraction():
     assert square._cache_size() == 1
     assert testing.free_compiled_programs_near_map_limit(fraction=0.0)  # any region is past it
     assert square._cache_size() == 0
+
+
+RULES = (("embed", None), ("mlp", "model"))
+
+
+def _dense_pair(linen_names: tuple, nnx_names: tuple):
+    kernel_init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), linen_names)
+    with nnx.use_eager_sharding(False):
+        port = nnx.Linear(4, 8, kernel_metadata={"out_sharding": nnx_names}, rngs=nnx.Rngs(0))
+    return nn.Dense(8, kernel_init=kernel_init), port
+
+
+def test_a_shared_annotation_defect_is_a_warning_and_mesh_axis_names_resolve_alike():
+    # One name on a 2-D kernel, on both sides: the models share it; no migration difference.
+    results = compare_modules(
+        *_dense_pair(("embed",), ("embed",)), (X,), rules=RULES, checks=["sharding"]
+    )
+    assert results[0].passed, format_report(results)
+    assert (
+        "warning: 1 annotation(s)" in results[0].message
+        and "kernel: 1 names on 2" in results[0].message
+    )
+    # One name on one side only: a difference.
+    results = compare_modules(
+        *_dense_pair(("embed",), ("embed", "mlp")), (X,), rules=RULES, checks=["sharding"]
+    )
+    assert failing(results) == {"sharding": "kernel: names"}
+    # The port annotated with mesh axes: the same spec through the rules.
+    mesh_named = _dense_pair(("embed", "mlp"), (None, "model"))
+    results = compare_modules(*mesh_named, (X,), rules=RULES, checks=["sharding"])
+    assert results[0].passed, format_report(results)
+    names = next(d for d in results[0].details if d["tensor"] == "kernel: names")
+    assert names["note"] == "different names, the same spec"
+    wrong_axis = _dense_pair(("embed", "mlp"), ("model", None))
+    results = compare_modules(*wrong_axis, (X,), rules=RULES, checks=["sharding"])
+    assert failing(results) == {"sharding": "kernel: names"}
+
+
+def test_renames_are_suggested_by_shape_and_position_and_lists_cut_at_whole_lines():
+    from parity.engine.renames import suggest
+    from parity.engine.result import whole_lines
+
+    linen = {
+        ("params", f"Block_{i}", leaf): shape
+        for i in range(2)
+        for leaf, shape in (("bias", (4,)), ("kernel", (4, 4)))
+    } | {("params", "head", "kernel"): (4, 2)}
+    nnx_paths = {
+        ("params", f"layers_{i}", leaf): shape
+        for i in range(2)
+        for leaf, shape in (("bias", (4,)), ("kernel", (4, 4)))
+    } | {("params", "head", "kernel"): (4, 2)}
+    assert suggest(linen, nnx_paths) == {("Block_0",): ("layers_0",), ("Block_1",): ("layers_1",)}
+    assert suggest(linen, {("params", "other"): (3,)}) == {}
+    text = "\n".join(f"  - path/number/{i}: missing on the NNX side" for i in range(54))
+    cut = whole_lines(text, 400)
+    lines = cut.splitlines()
+    assert all(line.endswith("missing on the NNX side") for line in lines[:-1])
+    assert lines[-1] == f"  ... and {54 - (len(lines) - 1)} more lines"

@@ -40,7 +40,9 @@ class Randomness:
     Linen draws by stream (`apply(..., rngs={stream: key})`, the default) or takes a raw key
     as the keyword argument `linen_arg` (`nn.Dropout`'s `rng`). NNX uses the module's own
     `nnx.Rngs` streams (their counters carried from call to call, the default) or takes the
-    raw key as the keyword argument `nnx_arg` (`nnx.Dropout`'s `rngs`).
+    raw key as the keyword argument `nnx_arg` (`nnx.Dropout`'s `rngs`); with
+    `nnx_arg_as="rngs"` that argument is an `nnx.Rngs` made from the key, its default stream
+    and each of `linen_streams` (a port whose `__call__` takes `rngs: nnx.Rngs`).
 
     With both `linen_arg` and `nnx_arg` the two sides get the same raw key per call, so their
     masks align: the call is compared exactly, like a deterministic one. Otherwise no key
@@ -53,10 +55,18 @@ class Randomness:
     linen_arg: str | None = None
     nnx_arg: str | None = None
     draws: int = 128
+    nnx_arg_as: str = "key"  # or "rngs": `nnx_arg` gets nnx.Rngs(key, **{stream: key})
 
     @property
     def aligned(self) -> bool:
-        return self.linen_arg is not None and self.nnx_arg is not None
+        """The same raw key reaches both modules' masks (an `nnx.Rngs` derives its own)."""
+        return self.linen_arg is not None and self.nnx_arg is not None and self.nnx_arg_as == "key"
+
+    def nnx_value(self, key: Any) -> Any:
+        """What the NNX module's `nnx_arg` gets for `key`."""
+        if self.nnx_arg_as == "rngs":
+            return nnx.Rngs(key, **dict.fromkeys(self.linen_streams, key))
+        return key
 
 
 @dataclasses.dataclass(frozen=True)

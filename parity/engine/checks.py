@@ -134,7 +134,8 @@ def _both_sources(pair: Pair, name: str, parts: Sequence[str]) -> CheckResult:
         linen_run, nnx_run = pair.run("linen", source), pair.run("nnx", source)
         named |= {f"linen ({source}-init)": linen_run, f"nnx ({source}-init)": nnx_run}
         records += run_records(f"{source}-init/", nnx_run, linen_run, tol, parts, pair.output_name)
-    return verdict(name, records, tol, vacuity(pair, named), rank=pair.rank)
+    earliest = name in pair.earliest
+    return verdict(name, records, tol, vacuity(pair, named), rank=pair.rank, earliest=earliest)
 
 
 def forward(pair: Pair) -> CheckResult:
@@ -292,7 +293,13 @@ def layers(pair: Pair) -> CheckResult:
         linen_out, linen_caps = linen_stage.apply(x)
         _, nnx_caps = nnx_stage.apply(x)
         order = {name: i for i, name in enumerate(linen_stage.order)}
-        for name in sorted(set(linen_caps) | set(nnx_caps), key=lambda n: order.get(n, len(order))):
+        # Execution order, then the name: never the order of a set (it changes with hashing).
+        names = sorted(set(linen_caps) | set(nnx_caps), key=lambda n: (order.get(n, len(order)), n))
+        for name in names:
+            if (name not in linen_caps and pair.linen.opaque(name)) or (
+                name not in nnx_caps and pair.nnx.opaque(name)
+            ):
+                continue  # inside a bridged layer: that side captures only the layer's output
             fields = linen_stage.fields(name)
             if name not in linen_caps or name not in nnx_caps:
                 records.append(

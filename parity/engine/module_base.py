@@ -54,6 +54,16 @@ def key_str(k: Any) -> str:
     return str(k)
 
 
+def module_keys(path: tuple) -> tuple[str, ...]:
+    """A leaf's key path as names, without the box's or Variable's own `value` attribute (a
+    `GetAttrKey`); a module or dict entry named `value` (attention's value projection) stays."""
+    return tuple(
+        key_str(k)
+        for k in path
+        if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")
+    )
+
+
 def flat_paths(tree: Any, prefix: Sequence[str] = ()) -> dict[str, Any]:
     """Leaves of a tree by `/`-joined path (box `value` levels dropped)."""
     flat = {}
@@ -224,6 +234,19 @@ class ModuleSide(Side):
 
     # ------------------------------------------------------------ training
 
+    def grad_leaves(self, grads: Any) -> list[tuple[str, Any]]:
+        """Gradient leaves by Linen path, in Linen path order: the one order both sides
+        reduce in (each tree's own order differs where names differ)."""
+        flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+        return sorted(((self.param_label(path), g) for path, g in flat), key=lambda x: x[0])
+
+    def grad_norm(self, grads: Any) -> jax.Array:
+        """The global gradient norm (`optax.global_norm`'s sum of squares) over
+        `grad_leaves`: float sums depend on their order, so a sum in each side's own leaf
+        order differs by an ulp between two identical gradient trees."""
+        squares = [jnp.sum(jnp.square(g)) for _, g in self.grad_leaves(grads)]
+        return jnp.sqrt(sum(squares, jnp.zeros((), jnp.float32)))
+
     def trainer(self, weights: Any) -> Trainer:
         """Optimizer steps on the parameters; every step starts from the weights' state."""
         tx = self.optimizer
@@ -238,7 +261,7 @@ class ModuleSide(Side):
             del batch
             (value, _), grads = jax.value_and_grad(loss, has_aux=True)(params)
             updates, opt_state = tx.update(grads, opt_state, params)
-            metrics = {"loss": value, "grad_norm": optax.global_norm(grads)}
+            metrics = {"loss": value, "grad_norm": self.grad_norm(grads)}
             return optax.apply_updates(params, updates), opt_state, metrics
 
         def evaluate(params, batch):
@@ -263,22 +286,30 @@ class ModuleSide(Side):
                     out, carried["state"], carried["rng"], captured = self.apply_call(
                         index, params, carried["state"], carried["rng"], arrays, key, True
                     )
-                return out, self.captures(captured)
+                # The call's own output, also where a capture misses it (NNX's capture of
+                # method outputs skips a method the module's class inherits).
+                return out, {**self.captures(captured), "output": out}
 
-            return DrillStage(self.calls[index].name, apply)
+            return DrillStage(self.calls[index].name, apply, order=self.capture_order())
 
         return [stage(i, *inputs) for i, inputs in zip(self.compared, self.inputs(), strict=True)]
 
     def captures(self, captured: Any) -> dict[str, Any]:
         raise NotImplementedError
 
+    def capture_order(self) -> tuple[str, ...]:
+        """Capture names in execution order (the Linen side knows it; `layers` reads it)."""
+        return ()
+
     def stochastic_calls(self) -> dict[int, tuple[str, Any]]:
         return {i: (c.name, c.randomness) for i, c in enumerate(self.calls) if c.randomness}
 
     def draws(self, weights: Any, index: int) -> Any:
         """`randomness.draws` independent calls of stochastic call `index` from `weights`
-        (the state of each draw is the weights', the RNG state is carried): its outputs,
-        stacked on a leading draw axis, on the host."""
+        (the state of each draw is the weights', the RNG state is carried), stacked on a
+        leading draw axis, on the host: `{"outputs": ..., "sites": {capture: ...}}`, the
+        sites (every submodule's output, by Linen path) only where the sides' keys are not
+        aligned (the distributions are compared site by site)."""
         params, state, rng = self.split(weights)
         keys = draw_keys(self.seed, index, self.calls[index].randomness.draws)
         with self.context():
@@ -289,10 +320,16 @@ class ModuleSide(Side):
 
     @functools.cache  # noqa: B019 (one side per pair; compiled once per call)
     def _draw_fn(self, index: int) -> Callable:
+        sites = not self.calls[index].randomness.aligned
+
         def all_draws(params, state, rng, arrays, keys):
             def body(rng, key):
-                out, _, rng, _ = self.apply_call(index, params, state, rng, arrays, key)
-                return rng, out
+                out, _, rng, captured = self.apply_call(
+                    index, params, state, rng, arrays, key, capture_all=sites
+                )
+                found = self.captures(captured) if sites else {}
+                found.pop("output", None)  # the outputs themselves, compared as such
+                return rng, {"outputs": out, "sites": found}
 
             return jax.lax.scan(body, rng, keys)[1]
 

@@ -19,8 +19,10 @@ import flax.linen as nn
 import jax
 from flax import nnx
 from flax.core import DenyList
+from flax.nnx import bridge
 
 from migrate.checkpoints import convert
+from parity.engine import bridges, hints, order
 from parity.engine.calls import is_sown
 from parity.engine.module_base import (
     CallResult,
@@ -28,8 +30,8 @@ from parity.engine.module_base import (
     ModuleSide,
     captures,
     flat_paths,
-    key_str,
     mean_square_loss,
+    module_keys,
     unboxed_grads,
 )
 from parity.engine.side import SideError
@@ -102,6 +104,26 @@ class LinenModuleSide(ModuleSide):
             return self._weights_only(jax.jit(self._init, out_shardings=shardings)(key, arrays))
 
     @functools.cached_property
+    def _calls(self) -> tuple[tuple[str, ...], frozenset[str]]:
+        try:
+            with self.context():
+                return order.linen_calls(
+                    self._init, jax.random.key(self.seed), self.call_inputs[0].arrays()
+                )
+        except Exception:  # the checks themselves report a module that does not trace
+            return (), frozenset()
+
+    @property
+    def execution_order(self) -> tuple[str, ...]:
+        """Submodule paths in the order the first call's outputs are made (traced `init`);
+        empty when it cannot be traced (the checks report why)."""
+        return self._calls[0]
+
+    def opaque(self, capture: str) -> bool:
+        """Inside an NNX layer (`bridge.ToLinen`): Linen captures only its output."""
+        return order.inside(capture, self._calls[1])
+
+    @functools.cached_property
     def _target(self) -> Any:
         if self.given is not None:
             return self._weights_only(self.given)
@@ -113,6 +135,11 @@ class LinenModuleSide(ModuleSide):
 
     def to_common(self, weights: Any) -> dict[str, Any]:
         return weights
+
+    def leaf_shapes(self) -> dict[Path, tuple]:
+        """`(collection, *path)` -> shape of every variable, in Linen's order."""
+        flat = convert.flatten_dict(nn.meta.unbox(self._target))
+        return {tuple(str(k) for k in path): tuple(x.shape) for path, x in flat.items()}
 
     def from_common(self, variables: dict[str, Any]) -> Any:
         return convert.check_linen(variables, self._target)
@@ -168,11 +195,14 @@ class LinenModuleSide(ModuleSide):
     def captures(self, captured: Any) -> dict[str, Any]:
         return captures(captured.get("intermediates", {}))
 
+    def capture_order(self) -> tuple[str, ...]:
+        return (*self.execution_order, "output")
+
     def grads_common(self, grads: Any) -> dict[str, Any]:
         return unboxed_grads(grads)
 
     def param_label(self, path: tuple) -> str:
-        return "/".join(k for k in (key_str(k) for k in path) if k != "value")
+        return "/".join(module_keys(path))
 
     def state_label(self, path: tuple) -> str | None:
         return "state " + self.param_label(path)
@@ -201,6 +231,11 @@ class NNXModuleSide(ModuleSide):
             module, nnx.Param, self.state_types, ...
         )
         self.template = nnx.merge_state(params, state)
+        self.bridged = frozenset(  # Linen layers inside (`bridge.ToNNX`), by Linen path
+            "/".join(to_linen_path(tuple(str(k) for k in path), self.renames))
+            for path, m in nnx.iter_modules(module)
+            if isinstance(m, bridge.ToNNX)
+        )
         self.state_collections = {
             tuple(str(k) for k in path): convert.collection_of(type(v), self.collections)
             for path, v in nnx.to_flat_state(state)
@@ -208,6 +243,16 @@ class NNXModuleSide(ModuleSide):
 
     def own_weights(self) -> Any:
         return self.template
+
+    def leaf_shapes(self) -> dict[Path, tuple]:
+        """`(collection, *Linen path)` -> shape of every variable (`renames` applied)."""
+        return {
+            (
+                convert.collection_of(type(v), self.collections) or "?",
+                *to_linen_path(module_keys(path), self.renames),
+            ): tuple(v.get_value().shape)
+            for path, v in nnx.to_flat_state(self.template)
+        }
 
     def to_common(self, weights: Any) -> dict[str, Any]:
         return convert.nnx_to_linen(weights, renames=self.renames, collections=self.collections)
@@ -240,9 +285,10 @@ class NNXModuleSide(ModuleSide):
         call = self.calls[index]
         args, kwargs = self.call_inputs[index].rebuild(arrays)
         if call.randomness is not None and call.randomness.nnx_arg and key is not None:
-            kwargs[call.randomness.nnx_arg] = key
+            kwargs[call.randomness.nnx_arg] = call.randomness.nnx_value(key)
         # copy: the merged Variables belong to this trace level (BatchNorm under jax.grad).
         model = nnx.merge(self.graphdef, params, state, rng, copy=True)
+        bridges.shield_bridges(model)
 
         def method(module, *args, **kwargs):
             return (getattr(module, call.method) if call.method else module)(*args, **kwargs)
@@ -256,12 +302,14 @@ class NNXModuleSide(ModuleSide):
                 method_outputs=nnx.Intermediate if capture_all else None,
             )(model, *args, **kwargs)
         except Exception as error:
-            raise SideError(self.framework, f"call {call.name!r}", error) from error
+            nnx_arg = call.randomness.nnx_arg if call.randomness else None
+            hint = hints.nnx_hint(error, nnx_arg)
+            raise SideError(self.framework, f"call {call.name!r}", error, hint) from error
         _, new_state, new_rng = nnx.state(model, nnx.Param, self.state_types, ...)
         return out, new_state, new_rng, nnx.merge_state(*captured)  # one State per sown type
 
     def _linen_key(self, path: tuple, collection: str | None) -> str:
-        keys = tuple(k for k in (key_str(k) for k in path) if k != "value")
+        keys = module_keys(path)
         return "/".join((collection or "?", *to_linen_path(keys, self.renames)))
 
     def state_paths(self, state: Any) -> dict[str, Any]:
@@ -277,17 +325,25 @@ class NNXModuleSide(ModuleSide):
             flat.update(flat_paths(v.get_value(), (where,)))
         return flat
 
+    def opaque(self, capture: str) -> bool:
+        """Inside a Linen layer (`bridge.ToNNX`): NNX captures only its output."""
+        return order.inside(capture, self.bridged)
+
     def captures(self, captured: Any) -> dict[str, Any]:
-        return captures(nnx.to_pure_dict(captured))
+        """Captured outputs by Linen module path (`renames` applied)."""
+        return {
+            "/".join(to_linen_path(tuple(name.split("/")), self.renames)): value
+            for name, value in captures(nnx.to_pure_dict(captured)).items()
+        }
 
     def grads_common(self, grads: Any) -> dict[str, Any]:
         return unboxed_grads(convert.nnx_to_linen(grads, renames=self.renames)["params"])
 
     def param_label(self, path: tuple) -> str:
-        keys = tuple(k for k in (key_str(k) for k in path) if k != "value")
+        keys = module_keys(path)
         return "/".join(to_linen_path(keys, self.renames))
 
     def state_label(self, path: tuple) -> str | None:
-        keys = tuple(k for k in (key_str(k) for k in path) if k != "value")
+        keys = module_keys(path)
         collection = self.state_collections.get(keys)
         return None if collection is None else f"state {self._linen_key(path, collection)}"

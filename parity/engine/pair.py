@@ -46,6 +46,9 @@ class Pair:
     # failing check then names its largest error, the earliest among equals; None names the
     # first failure in check order.
     rank: Callable[[str], Any] | None = None
+    # Checks that name the earliest failing record in the data flow instead (a module pair's
+    # forward: its sown values and outputs differ from the first place that differs on).
+    earliest: frozenset[str] = frozenset()
 
     def __init__(self, linen: Side, nnx: Side, tolerance: compare.Tolerance) -> None:
         self.linen, self.nnx = linen, nnx

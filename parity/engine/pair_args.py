@@ -139,6 +139,16 @@ def randomness(value: Any, where: str, item: Call) -> None:
                 f"{where}.{field} is {_shown(name)}; expected the name of a keyword argument "
                 "the call does not already pass"
             )
+    if value.nnx_arg_as not in ("key", "rngs"):
+        raise PairArgumentError(
+            f"{where}.nnx_arg_as is {_shown(value.nnx_arg_as)}; expected 'key' (a raw key) or "
+            "'rngs' (an nnx.Rngs)"
+        )
+    if value.nnx_arg_as == "rngs" and value.nnx_arg is None:
+        raise PairArgumentError(
+            f"{where}.nnx_arg_as is 'rngs' but nnx_arg is None; name the keyword argument the "
+            "NNX module takes its nnx.Rngs in (nnx_arg='rngs')"
+        )
     if not isinstance(value.draws, int) or value.draws < 8:
         raise PairArgumentError(f"{where}.draws is {_shown(value.draws)}; expected an int >= 8")
 

@@ -8,9 +8,12 @@ carried from draw to draw, as training carries it). Then:
   other's do not fails, and so does a call where neither side varies (dropout never on);
 - **aligned keys** (`Randomness.aligned`: the same raw key on both sides): every draw is
   compared leaf by leaf against the pair's tolerance (bit-exact by default);
-- **otherwise, the distributions**: per output leaf, seven statistics of each draw (mean, mean
-  square, fraction of exact zeros, four fixed random projections) are compared between the
-  sides, their means by Welch's t-test and their spreads by the Brown-Forsythe test. A wrong
+- **otherwise, the distributions**: per output leaf and per submodule output (every site
+  both sides capture, by Linen path, in execution order: a dropout missing at one site of
+  several is named there, where the outputs alone barely move; bench/random_sites.py), seven
+  statistics of each draw (mean, mean square, fraction of exact zeros, four fixed random
+  projections) are compared between the sides, their means by Welch's t-test and their
+  spreads by the Brown-Forsythe test. A wrong
   rate moves the zero fraction and the mean square; a mask applied at another place changes
   the zeros and the projections' spread. The significance `ALPHA` is shared by all tests of a
   check (Bonferroni), so that a correct port fails at most once in `1 / ALPHA` runs.
@@ -74,7 +77,7 @@ def _summary(sample: np.ndarray) -> str:
     return f"{sample.mean():.4g} sd {sample.std():.3g}"
 
 
-def distribution_records(name: str, linen: Any, nnx: Any) -> list[dict]:
+def distribution_records(name: str, linen: Any, nnx: Any, label: str = "outputs") -> list[dict]:
     """One record per leaf, statistic and test; `passed` is filled in by `random` once the
     number of tests (the Bonferroni divisor) is known."""
     records = []
@@ -85,7 +88,7 @@ def distribution_records(name: str, linen: Any, nnx: Any) -> list[dict]:
     for path, linen_leaf in flat_linen:
         leaf = compare.path_str(path)
         nnx_leaf = flat_nnx.get(leaf)
-        where = f"{name}/outputs/{leaf}" if leaf else f"{name}/outputs"
+        where = f"{name}/{label}/{leaf}" if leaf else f"{name}/{label}"
         if not np.issubdtype(np.asarray(linen_leaf).dtype, np.inexact):
             continue
         if nnx_leaf is None or np.shape(nnx_leaf) != np.shape(linen_leaf):
@@ -132,11 +135,33 @@ def variation_record(name: str, count: int, linen: Any, nnx: Any) -> dict:
     return record
 
 
-def _worst(failing: list[dict]) -> dict:
+def _worst(failing: list[dict], pair: Pair) -> dict:
     """The first failure that is not a test (draws that do not vary, draws that differ under
-    the same keys), else the test with the strongest evidence (the smallest p-value)."""
+    the same keys), else the test with the strongest evidence (the smallest p-value), the
+    earliest in execution order among equals."""
     certain = [r for r in failing if "p_value" not in r]
-    return certain[0] if certain else min(failing, key=lambda r: r["p_value"])
+    if certain:
+        return certain[0]
+    rank = pair.rank or (lambda tensor: 0)
+    return min(failing, key=lambda r: (r["p_value"], rank(r["tensor"].split(":")[0])))
+
+
+def site_records(name: str, linen: dict, nnx: dict, pair: Pair) -> list[dict]:
+    """The distributions at every submodule output both sides capture (one side's bridged
+    layers aside), in execution order: a dropout missing, added or misplaced at one site
+    fails there, where the outputs alone dilute it among the other sites."""
+    records = []
+    for site in sorted(set(linen) | set(nnx), key=pair.rank or (lambda site: 0)):
+        if site not in nnx or site not in linen:
+            side, other = (pair.nnx, "Linen") if site not in nnx else (pair.linen, "NNX")
+            if not side.opaque(site):
+                records.append(
+                    fact_record(f"{name}/{site}", False, "captured", "missing")
+                    | {"note": f"on the {other} side only"}
+                )
+            continue
+        records += distribution_records(name, linen[site], nnx[site], site)
+    return records
 
 
 def random(pair: Pair) -> CheckResult:
@@ -152,17 +177,23 @@ def random(pair: Pair) -> CheckResult:
     tested: list[dict] = []
     notes = []
     for index, (name, randomness) in stochastic.items():
-        linen = pair.linen.draws(linen_weights, index)
-        nnx = pair.nnx.draws(nnx_weights, index)
+        linen_draws = pair.linen.draws(linen_weights, index)
+        nnx_draws = pair.nnx.draws(nnx_weights, index)
+        linen, nnx = linen_draws["outputs"], nnx_draws["outputs"]
         records.append(variation_record(name, randomness.draws, linen, nnx))
         if randomness.aligned:
             records += keyed_records(f"{name}/draws", nnx, linen, pair.tolerance)
             notes.append(f"{name}: {randomness.draws} draws, same keys: {pair.tolerance.reason}")
         else:
             found = distribution_records(name, linen, nnx)
+            found += site_records(name, linen_draws["sites"], nnx_draws["sites"], pair)
             tested += [r for r in found if "p_value" in r]
             records += found
-            notes.append(f"{name}: {randomness.draws} draws, distributions compared")
+            sites = len(set(linen_draws["sites"]) & set(nnx_draws["sites"]))
+            notes.append(
+                f"{name}: {randomness.draws} draws, distributions compared at the outputs and "
+                f"{sites} submodule outputs"
+            )
     bound = ALPHA / max(len(tested), 1)
     for record in tested:
         record["passed"] = record["p_value"] >= bound
@@ -180,7 +211,7 @@ def random(pair: Pair) -> CheckResult:
         metric="failed records",
         value=float(len(failing)),
         tolerance=0.0,
-        where=_worst(failing)["tensor"] if failing else f"{len(records)} records agree",
+        where=_worst(failing, pair)["tensor"] if failing else f"{len(records)} records agree",
         details=tuple(records),
         message=note if not failing else f"required: draws vary alike; {note}",
     )

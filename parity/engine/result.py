@@ -9,6 +9,7 @@ largest error relative to its scale (the earliest in the data flow among equals)
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,14 +26,17 @@ from parity.engine.side import SideError
 from parity.multiprocess import distributed
 
 # A check's status and the exit status it gives the run (the largest over all checks wins):
-# `failed` is a real parity failure; `bad_input` a check that could not run on this input or
-# machine (out of memory, a config error found late); `errored` one that crashed (a bug).
+# `skipped` a check that does not apply (passes, measured nothing); `failed` is a real parity
+# failure; `bad_input` a check that could not run on this input or machine (out of memory, a
+# config error found late); `errored` one that crashed (a bug).
 EXIT_STATUS = {
     "passed": EXIT_PASS,
+    "skipped": EXIT_PASS,
     "failed": EXIT_FAIL,
     "bad_input": EXIT_USAGE,
     "errored": EXIT_INTERNAL,
 }
+PASSING = frozenset({"passed", "skipped"})  # the statuses of a check that passes
 # Exceptions that mean the twins differ (a check that raises one of these failed, it did not
 # crash): mismatching paths or names in the converter, layouts, trees of different shapes.
 PARITY_ERRORS = (convert.ConversionError, LayoutError, compare.TreeMismatch)
@@ -58,13 +62,27 @@ class CheckResult:
     def __post_init__(self) -> None:
         if not self.status:
             object.__setattr__(self, "status", "passed" if self.passed else "failed")
-        if self.status not in EXIT_STATUS or (self.status == "passed") != self.passed:
+        if self.status not in EXIT_STATUS or (self.status in PASSING) != self.passed:
             raise ValueError(f"check {self.name}: status {self.status!r}, passed={self.passed}")
 
 
 def skipped(name: str, metric: str, tolerance: float, reason: str) -> CheckResult:
-    """A check that does not apply to this pair (a config that does not pipeline): passed."""
-    return CheckResult(name, True, metric, 0.0, tolerance, "-", message=reason)
+    """A check that does not apply to this pair (a config that does not pipeline): status
+    `skipped`, which passes (exit 0) and is shown as skipped, never as a measured 0."""
+    return CheckResult(name, True, metric, 0.0, tolerance, "-", message=reason, status="skipped")
+
+
+def whole_lines(text: str, limit: int) -> str:
+    """`text` cut to whole lines within `limit` characters, and a last line counting the
+    lines left out (never a path cut in the middle, never a wrong count)."""
+    lines, kept, size = text.splitlines(), [], 0
+    for line in lines:
+        if kept and size + len(line) + 1 > limit:
+            break
+        kept.append(line)
+        size += len(line) + 1
+    left = len(lines) - len(kept)
+    return "\n".join(kept + ([f"  ... and {left} more lines"] if left else []))
 
 
 def errored(name: str, error: Exception) -> CheckResult:
@@ -78,7 +96,7 @@ def errored(name: str, error: Exception) -> CheckResult:
     where = text.splitlines()[1].strip(" -") if len(text.splitlines()) > 1 else first_line
     details: tuple[dict[str, Any], ...] = ()
     if isinstance(error, SideError):
-        status = "failed" if error.framework == "nnx" else "bad_input"
+        status = "failed" if error.framework == "nnx" and not error.hint else "bad_input"
         message, where = first_line, f"{error.framework}: {error.where}"
         # The first line says what went wrong; the whole error is there on request.
         details = (
@@ -91,7 +109,7 @@ def errored(name: str, error: Exception) -> CheckResult:
             },
         )
     elif isinstance(error, PARITY_ERRORS):
-        status, message = "failed", f"{type(error).__name__}: {text[:4000]}"
+        status, message = "failed", f"{type(error).__name__}: {whole_lines(text, 4000)}"
     else:
         exit_status, _, message = errors.classify(error)
         status = "bad_input" if exit_status == EXIT_USAGE else "errored"
@@ -211,6 +229,39 @@ def fact_record(tensor: str, passed: bool, linen: Any, nnx: Any) -> dict:
 # ------------------------------------------------------------------ verdicts
 
 
+# A leaf whose largest magnitude is below this fraction of the largest leaf's is rounding
+# noise (the gradient of a key projection's bias, zero in exact arithmetic, comes out as
+# 1e-8..1e-7 against gradients of order 1): it is ranked by its error against that floor, so
+# that a 2x error in noise never outranks a 0.7x error in a real gradient. sqrt(float32 eps).
+NOISE_FLOOR = float(np.sqrt(np.finfo(np.float32).eps))
+SOURCE_PREFIX = re.compile(r"^\w+-init/")  # whose initial weights a record ran on
+
+
+def ranked_errors(records: Sequence[dict]) -> Callable[[dict], float]:
+    """A record's error for ranking: its max abs error against its own scale, or against
+    `NOISE_FLOOR` times the largest scale among `records` when that is larger (records
+    without `max_abs`, or with infinite errors, rank by their `max_rel`); the same place
+    from both weight sources ranks by the larger of the two."""
+
+    def scale(r: dict) -> float:
+        finite = r.get("max_abs") is not None and 0 < r["max_rel"] < float("inf")
+        return r["max_abs"] / r["max_rel"] if finite else 0.0
+
+    floor = NOISE_FLOOR * max((scale(r) for r in records), default=0.0)
+
+    def own_error(r: dict) -> float:
+        own = scale(r)
+        return r["max_abs"] / max(own, floor) if own > 0 else r["max_rel"]
+
+    # One place, run from both sides' weights (`linen-init/x`, `nnx-init/x`): the largest of
+    # its errors, so that the source never decides which place is named.
+    by_place: dict[str, float] = {}
+    for r in records:
+        place = SOURCE_PREFIX.sub("", r["tensor"])
+        by_place[place] = max(by_place.get(place, 0.0), own_error(r))
+    return lambda r: by_place[SOURCE_PREFIX.sub("", r["tensor"])]
+
+
 def verdict(
     name: str,
     records: list[dict],
@@ -218,15 +269,21 @@ def verdict(
     problems: Sequence[str] = (),
     rank: Rank | None = None,
     note: str | None = None,
+    earliest: bool = False,
 ) -> CheckResult:
     """The verdict over numeric `records`. `where` names the first failing record in check
     order (the step order of `train`, the data flow of `layers`) or, given a data-flow `rank`,
-    the failing record with the largest error relative to its scale, the earliest in the data
-    flow among equals; when nothing fails, the worst record; a vacuous run (`problems` and no
-    failing record), its first problem."""
+    the failing record with the largest error relative to its scale (`ranked_errors`: noise
+    leaves against a floor), the earliest in the data flow among equals (with `earliest`:
+    the earliest failing record in the data flow, where a value that flows forward first
+    parts ways); when nothing fails,
+    the worst record; a vacuous run (`problems` and no failing record), its first problem."""
     failing = [r for r in records if not r["passed"]]
-    if failing and rank is not None:
-        worst = min(failing, key=lambda r: (-r["max_rel"], rank(r["tensor"])))
+    if failing and rank is not None and earliest:
+        worst = min(failing, key=lambda r: rank(r["tensor"]))  # stable: record order on ties
+    elif failing and rank is not None:
+        error = ranked_errors(failing)
+        worst = min(failing, key=lambda r: (-error(r), rank(r["tensor"])))
     else:
         worst = failing[0] if failing else max(records, key=lambda r: r["max_rel"], default=None)
     where = problems[0] if problems and not failing else (worst["tensor"] if worst else "-")

@@ -31,18 +31,23 @@ class SideError(Exception):
     """An exception raised by one side's own model code (not by the harness): the message is
     its first line, `detail` the whole error with its traceback. Raised by the NNX side while
     the Linen side runs, the port parts ways with its original: a parity failure; raised by
-    the Linen side, the input does not fit the original: bad input."""
+    the Linen side, the input does not fit the original: bad input; with a `hint` (a Flax
+    error that says the call does not fit the module: `parity.engine.hints`), bad input."""
 
     LABELS: ClassVar[dict[str, str]] = {"linen": "Linen", "nnx": "NNX"}
 
-    def __init__(self, framework: str, where: str, error: BaseException) -> None:
-        self.framework, self.where, self.error = framework, where, error
+    def __init__(
+        self, framework: str, where: str, error: BaseException, hint: str | None = None
+    ) -> None:
+        self.framework, self.where, self.error, self.hint = framework, where, error, hint
         lines = str(error).strip().splitlines()
         first = lines[0] if lines else ""
         self.detail = "".join(traceback.format_exception(error)).strip()
         super().__init__(
             f"the {self.LABELS.get(framework, framework)} module raised "
-            f"{type(error).__name__} in {where}" + (f": {first}" if first else "")
+            f"{type(error).__name__} in {where}"
+            + (f": {first}" if first else "")
+            + (f"; {hint}" if hint else "")
         )
 
 
@@ -151,6 +156,12 @@ class Side(abc.ABC):
     def drill_stages(self, weights: Any) -> list[DrillStage]:
         """The model cut into parts for the drill-down (default: none)."""
         return []
+
+    def opaque(self, capture: str) -> bool:
+        """Whether this side cannot see the capture `capture` (inside a layer of the other
+        framework, held through `nnx.bridge`): missing here, it is not compared."""
+        del capture
+        return False
 
     # ------------------------------------------------------------ randomness
 

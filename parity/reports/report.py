@@ -22,6 +22,7 @@ from rich.table import Table
 JSON_SCHEMA_VERSION = 1
 VERDICTS = {
     "passed": "[green]PASS[/green]",
+    "skipped": "[dim]SKIP[/dim]",
     "failed": "[bold red]FAIL[/bold red]",
     "bad_input": "[bold magenta]ERROR[/bold magenta]",
     "errored": "[bold magenta]ERROR[/bold magenta]",
@@ -56,6 +57,13 @@ def _fmt(value: float) -> str:
     return f"{value:.3g}"
 
 
+def _measured(r: Any) -> tuple[str, str]:
+    """The worst-error and tolerance cells: `-` for a skipped check (it measured nothing)."""
+    if r.status == "skipped":
+        return "-", "-"
+    return f"{r.metric}={_fmt(r.value)}", _fmt(r.tolerance)
+
+
 def render_table(
     results: Sequence[Any],
     name: str,
@@ -77,7 +85,7 @@ def render_table(
         table.add_column("compiles", justify="right")
         table.add_column("compile/run/compare s", justify="right")
     for i, r in enumerate(results):
-        cells = [r.name, VERDICTS[r.status], f"{r.metric}={_fmt(r.value)}", _fmt(r.tolerance)]
+        cells = [r.name, VERDICTS[r.status], *_measured(r)]
         cells.append(printable(r.where))
         table.add_row(*cells, *([] if costs is None else _cost_cells(costs[i])))
     if costs is not None:
@@ -161,6 +169,7 @@ def write_junit(
         tests=str(len(results)),
         failures=str(sum(r.status == "failed" for r in results)),
         errors=str(sum(r.status in ("bad_input", "errored") for r in results)),
+        skipped=str(sum(r.status == "skipped" for r in results)),
         time=f"{sum(durations):.3f}",
     )
     for r, seconds in zip(results, durations, strict=True):
@@ -183,6 +192,8 @@ def write_junit(
             failure.text = printable(
                 "\n".join([r.message, *(json.dumps(d, default=str) for d in failing)])
             )
+        elif r.status == "skipped":
+            ET.SubElement(case, "skipped", message=printable(r.message[:2000]))
         elif r.status != "passed":  # the check could not run: a JUnit error, not a failure
             ET.SubElement(case, "error", message=printable(r.message[:2000]), type=r.status)
     tree = ET.ElementTree(root)
@@ -273,9 +284,8 @@ def text_report(results: Sequence[Any], title: str = "parity", verbose: bool = F
     rows = [("check", "verdict", "worst", "tolerance", "where")] + [
         (
             r.name,
-            {"passed": "PASS", "failed": "FAIL"}.get(r.status, "ERROR"),
-            f"{r.metric}={_fmt(r.value)}",
-            _fmt(r.tolerance),
+            {"passed": "PASS", "skipped": "SKIP", "failed": "FAIL"}.get(r.status, "ERROR"),
+            *_measured(r),
             r.where,
         )
         for r in results
