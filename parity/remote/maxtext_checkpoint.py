@@ -36,9 +36,8 @@ import numpy as np
 from migrate.checkpoints import maxtext_state
 from parity.analysis import compare
 from parity.engine import result
-from parity.remote import maxtext_pair
 from parity.remote.client import Worker, WorkerSet
-from parity.remote.maxtext_config import MaxTextConfig
+from parity.remote.maxtext_config import MaxTextConfig, batch
 from parity.remote.maxtext_train import LOGITS
 
 FACTORY = "parity.remote.maxtext_train:make"
@@ -163,7 +162,7 @@ def cross_release(
         )
         for side in ("linen", "nnx"):
             shutil.copytree(directory / "written", directory / f"resumed-{side}")
-        tokens = maxtext_pair.batch(config.keys, config.num_devices, 0, 0, "eval")["inputs"]
+        tokens = batch(config.keys, config.num_devices, 0, 0, "eval")["inputs"]
         restored_l, facts_l = call(linen, "restore", directory=root, run_name="resumed-linen",
                                    steps=steps + 1, tokens=tokens.tolist())  # fmt: skip
         restored_n, facts_n = call(nnx, "restore", directory=root, run_name="resumed-nnx",

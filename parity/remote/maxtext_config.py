@@ -1,6 +1,7 @@
 """A MaxText gate config, read and validated before JAX: a YAML whose `maxtext:` mapping holds
 MaxText's own keys (as its users type them on `train.py`'s command line), `key=value`
-overrides on top, and the environments of the two releases. No JAX, no MaxText.
+overrides on top, the environments of the two releases, and the synthetic batch both sides run
+on (numpy). No JAX, no MaxText.
 
     # configs/maxtext/llama2-tiny-pp4.yml
     maxtext:
@@ -16,6 +17,8 @@ import math
 import re
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from migrate.config import safe_load
 from migrate.errors import BadInput
@@ -126,3 +129,21 @@ def environments(flags: Any) -> dict[str, Any]:
             timeout_s=flags["worker_timeout_s"].value,
         )
     return out
+
+
+def batch(keys: dict[str, Any], devices: int, seed: int, step: int, split: str) -> dict:
+    """MaxText's training batch for the synthetic data: tokens, positions, segment ids and
+    targets, deterministic in (seed, split, step) and the same on both sides."""
+    size = int(keys["per_device_batch_size"] * devices)
+    length, vocab = int(keys["max_target_length"]), int(keys["vocab_size"])
+    rng = np.random.default_rng([seed, {"train": 0, "eval": 1}[split], step])
+    tokens = rng.integers(0, vocab, size=(size, length + 1), dtype=np.int32)
+    positions = np.broadcast_to(np.arange(length, dtype=np.int32), (size, length)).copy()
+    ones = np.ones((size, length), np.int32)
+    return {
+        "inputs": tokens[:, :-1],
+        "inputs_position": positions,
+        "inputs_segmentation": ones,
+        "targets": tokens[:, 1:],
+        "targets_segmentation": ones,
+    }

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from migrate.checkpoints.weight_map import Entry, WeightMap
 from parity.analysis import compare
 from parity.decoder.session import vacuity_problems
@@ -22,7 +20,7 @@ from parity.engine.pair import Pair
 from parity.engine.side import Run
 from parity.remote.client import WorkerSet
 from parity.remote.environments import Environment
-from parity.remote.maxtext_config import MaxTextConfig
+from parity.remote.maxtext_config import MaxTextConfig, batch
 from parity.remote.side import RemoteSide
 
 FACTORY = "parity.remote.maxtext:make"
@@ -49,24 +47,6 @@ RELEASES = WeightMap(
 # M > S; with both releases' parameters placed by their logical names (as MaxText's trainer
 # places them, `MaxTextSide.own_weights`) the difference is gone, so no looser tier exists.
 TOLERANCE = compare.EXACT
-
-
-def batch(keys: dict[str, Any], devices: int, seed: int, step: int, split: str) -> dict:
-    """MaxText's training batch for the synthetic data: tokens, positions, segment ids and
-    targets, deterministic in (seed, split, step) and the same on both sides."""
-    size = int(keys["per_device_batch_size"] * devices)
-    length, vocab = int(keys["max_target_length"]), int(keys["vocab_size"])
-    rng = np.random.default_rng([seed, {"train": 0, "eval": 1}[split], step])
-    tokens = rng.integers(0, vocab, size=(size, length + 1), dtype=np.int32)
-    positions = np.broadcast_to(np.arange(length, dtype=np.int32), (size, length)).copy()
-    ones = np.ones((size, length), np.int32)
-    return {
-        "inputs": tokens[:, :-1],
-        "inputs_position": positions,
-        "inputs_segmentation": ones,
-        "targets": tokens[:, 1:],
-        "targets_segmentation": ones,
-    }
 
 
 class MaxTextPair(Pair):
