@@ -466,21 +466,18 @@ def test_one_bfloat16_ulp_between_the_twins_fails_the_gate(monkeypatch, fresh_nn
     assert 0 < first["max_rel"] <= 2.0**-7
 
 
-@pytest.mark.parametrize("seed", range(1, 5))  # seed 0: every check, in the config matrix
-def test_no_false_alarms_for_seeds_0_to_4(seed, tmp_path):
-    status, report = run_cli(tmp_path, TINY, f"seed={seed}", "--steps=2")
-    assert status == cli.EXIT_PASS, failing(report)
-    assert {c["name"] for c in report["checks"]} == {
-        "roundtrip",
-        "init",
-        "forward",
-        "grads",
-        "sharding",
-        "program",
-        "pipeline",
-        "bubbles",
-        "train",
-    }
+DEFAULT_CHECKS = {
+    "roundtrip", "init", "forward", "grads", "sharding", "program", "pipeline", "bubbles", "train",
+}  # fmt: skip
+
+
+def test_no_false_alarms_for_seeds_0_to_4(tmp_path):
+    """Seeds 1 to 4 in one process (seed 0: every check, in the config matrix): a seed changes
+    the weights and batches, not the programs, so the later seeds reuse the first's."""
+    for seed in range(1, 5):
+        status, report = run_cli(tmp_path, TINY, f"seed={seed}", "--steps=2")
+        assert status == cli.EXIT_PASS, (seed, failing(report))
+        assert {c["name"] for c in report["checks"]} == DEFAULT_CHECKS, seed
 
 
 # Issue 12's kinds on shipped configs other than llama2-tiny: a cheap subset of the matrix that
