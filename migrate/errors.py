@@ -104,8 +104,22 @@ def describe_os_error(error: OSError) -> str:
     return what + (": " + " -> ".join(str(p) for p in paths) if paths else "")
 
 
+def _interruption(error: BaseException) -> Interrupted | None:
+    """The `Interrupted` that `error` was raised while handling, if any: a signal can land
+    inside a library's own cleanup, which then fails in its turn (measured: orbax/JAX raising
+    "Slice ... is not concrete" on the way out of an interrupted save); the signal is the cause."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, Interrupted):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def classify(error: BaseException) -> tuple[int, str, str]:
     """(exit status, label, one-line message) for an exception that reached the top."""
+    error = _interruption(error) or error
     if isinstance(error, Interrupted):
         return 128 + error.signum, "interrupted", f"stopped by {error}"
     if isinstance(error, KeyboardInterrupt):

@@ -154,6 +154,26 @@ def test_a_long_destination_name_gets_a_short_staging_name(tmp_path):
     assert read_meta(tmp_path / name)["framework"] == "linen"
 
 
+def test_a_signal_that_a_library_turns_into_another_error_is_still_the_signal(capsys):
+    """CI saw `migrate convert` exit 4 ("internal error: ValueError: Slice slice(32, 64, 1) is
+    not concrete") after a SIGINT that landed inside an Orbax save: the signal's exception
+    became another on the library's way out. The signal is what stopped the run: 128 + signum."""
+
+    def body() -> int:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises here
+        except BaseException:
+            raise ValueError("Slice slice(32, 64, 1) is not concrete") from None
+        return errors.EXIT_PASS
+
+    assert cli_support.guarded("migrate", body, lambda: False) == 128 + signal.SIGTERM
+    assert "migrate: interrupted: stopped by SIGTERM" in capsys.readouterr().err
+    assert cli_support.guarded("migrate", lambda: errors.EXIT_PASS, lambda: False) == 0
+    # and a real error with no signal stays an internal error
+    assert cli_support.guarded("migrate", lambda: 1 / 0, lambda: False) == errors.EXIT_INTERNAL
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_during_conversion_removes_the_staging_directory(sig, src, tmp_path):
     out = tmp_path / "out"

@@ -131,6 +131,12 @@ def guarded(program: str, body: Callable[[], int], verbose: Callable[[], bool]) 
     except SystemExit:
         raise
     except BaseException as e:  # the point: nothing escapes unclassified
+        if _received and not isinstance(e, KeyboardInterrupt):
+            # The signal's exception fired inside a library that failed in its turn on the way
+            # out (measured: an interrupted Orbax save surfacing as JAX's "Slice ... is not
+            # concrete"): the signal stopped the run, whatever surfaced.
+            e = Interrupted(_received[0])
+        _received.clear()  # acted on: an in-process caller's next run starts clean
         status, label, message = classify(e)
         error_line(program, message, label)
         loud = False
