@@ -32,6 +32,7 @@ import shutil
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
@@ -209,6 +210,15 @@ def discard(staging: Path, settle: bool = False) -> None:
             gone_since = time.monotonic()
         elif time.monotonic() - gone_since >= SETTLE_S:
             return
+
+
+def publish_unless(problems: Sequence[str], staging: Path, dst: Path, force: bool) -> None:
+    """The staged checkpoint moved into place when its verification found no `problems`,
+    discarded otherwise (nothing is written over a checkpoint that did not verify)."""
+    if problems:
+        discard(staging)
+    else:
+        publish(staging, dst, force)
 
 
 def publish(staging: Path, dst: Path, force: bool) -> None:

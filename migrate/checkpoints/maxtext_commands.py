@@ -19,6 +19,7 @@ import numpy as np
 
 from migrate.checkpoints import destination, maxtext
 from migrate.checkpoints.checkpoint_io import host_copy, restore, save
+from migrate.checkpoints.convert import unflatten_dict
 from migrate.checkpoints.meta import CheckpointError, read_meta
 from migrate.checkpoints.restage import Weights, assemble, relayout, take_apart
 from migrate.checkpoints.train_state import (
@@ -188,10 +189,7 @@ def into_twins(
             source = {p: a for p, a in maxtext.read(src).items() if p[0] != "nnx_aux"}
             written = twins_as_maxtext(destination.staged(staging), cfg, mapped["stacking"])
             found_differences = differences(source, written)
-        if found_differences:
-            destination.discard(staging)
-        else:
-            destination.publish(staging, dst, force)
+        destination.publish_unless(found_differences, staging, dst, force)
     except BaseException:
         destination.discard(staging, settle=True)
         raise
@@ -234,12 +232,7 @@ def from_twins(
     how = how or stacking_for(cfg)
     flat = twins_as_maxtext(src, cfg, how)
     step = int(flat[("step",)])
-    tree: dict[str, Any] = {}
-    for path, array in flat.items():
-        node = tree
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = array
+    tree = unflatten_dict(flat)
     tree["opt_state"] = [tree["opt_state"]["0"], None, tree["opt_state"]["2"]]
     staging = destination.stage(dst)
     try:
@@ -248,10 +241,7 @@ def from_twins(
             manager.save(step - 1, args=ocp.args.Composite(items=ocp.args.PyTreeSave(tree)))
             manager.wait_until_finished()
         found = differences(flat, maxtext.read(root / str(step - 1))) if verify else []
-        if found:
-            destination.discard(staging)
-        else:
-            destination.publish(staging, dst, force)
+        destination.publish_unless(found, staging, dst, force)
     except BaseException:
         destination.discard(staging, settle=True)
         raise
