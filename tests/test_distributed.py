@@ -66,6 +66,23 @@ def test_single_process_helpers_are_device_get_and_device_put():
     assert distributed.worst_status(1) == 1 and distributed.is_main()
 
 
+def test_host_gathers_group_leaves_by_mesh_within_the_size_limit(monkeypatch):
+    """One gather program per group: leaves of one mesh together, in order, a group closed
+    before it would pass GATHER_GROUP_BYTES, a leaf larger than the limit alone."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = np.array(jax.devices())
+    meshes = [Mesh(devices.reshape(2, 4), ("a", "b")), Mesh(devices.reshape(4, 2), ("a", "b"))]
+    sizes = [(0, 16), (1, 16), (0, 16), (0, 40), (0, 16), (1, 16)]  # (mesh, float32 elements)
+    arrays = [
+        jax.device_put(np.zeros(n, np.float32), NamedSharding(meshes[m], PartitionSpec()))
+        for m, n in sizes
+    ]
+    monkeypatch.setattr(distributed, "GATHER_GROUP_BYTES", 128)  # 32 float32s
+    assert distributed._gather_groups(arrays) == [[0, 2], [3], [4], [1, 5]]
+
+
 def test_worker_env_sets_devices_and_import_path(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=8")
     env = launch.worker_env(4)

@@ -53,6 +53,23 @@ def test_maxtext_linen_and_nnx_releases_agree(config, tmp_path):
     assert "maxtext 0.2.3" in err and "maxtext 0.2.5" in err
 
 
+@pytest.fixture(scope="module")
+def linen_release():
+    """One Linen (0.2.3) worker on pp4 for every injected NNX bug: the bugs patch the NNX release
+    only, so the clean side is started and compiled once (CI time)."""
+    from parity.remote.client import WorkerSet
+    from parity.remote.environments import Environment
+    from parity.remote.maxtext_pair import start_side
+
+    config = maxtext_config.load(CONFIGS / "pp4.yml", [])
+    workers = WorkerSet()
+    try:
+        environment = Environment(maxtext_config.default_python("linen"))
+        yield config, start_side(config, "linen", environment, workers)
+    finally:
+        workers.close()
+
+
 @needs_envs
 @pytest.mark.parametrize(
     ("bug", "check", "where", "unmoved"),
@@ -68,14 +85,14 @@ def test_maxtext_linen_and_nnx_releases_agree(config, tmp_path):
     ],
 )
 def test_a_bug_injected_in_the_nnx_release_is_caught_at_its_place(
-    bug, check, where, unmoved, tmp_path
+    bug, check, where, unmoved, linen_release
 ):
     from parity.engine import checks as engine_checks
     from parity.remote import maxtext_cost
     from parity.remote.environments import Environment
     from parity.remote.maxtext_pair import MaxTextPair
 
-    config = maxtext_config.load(CONFIGS / "pp4.yml", [])
+    config, linen = linen_release
     environments = {
         "linen": Environment(maxtext_config.default_python("linen")),
         "nnx": Environment(
@@ -87,12 +104,12 @@ def test_a_bug_injected_in_the_nnx_release_is_caught_at_its_place(
         "forward": engine_checks.forward,
         "compile": maxtext_cost.compile_check,
     }
-    pair = MaxTextPair(config, environments)
+    pair = MaxTextPair(config, environments, started={"linen": linen})
     try:
         result = table[check](pair)
         control = table[unmoved](pair) if unmoved else None
     finally:
-        pair.workers.close()
+        pair.workers["nnx"].close()
     assert result.status == "failed", result.message
     assert where in result.where, result.where
     if control is not None:

@@ -48,6 +48,7 @@ class DecoderSide(Side):
         self.use_pipeline, self.bubble_fill = use_pipeline, bubble_fill
         self.tx = optim.make_optimizer(cfg)
         self._programs: dict[int, tuple[Any, Any, Any]] = {}
+        self._init_optimizer: Any = None
 
     # The train step: (jitted step, jitted eval step) and the declared state shardings.
     def train_fns(self) -> tuple[Any, Any]:
@@ -84,7 +85,7 @@ class DecoderSide(Side):
             # A real optimizer state, not `jax.eval_shape`'s (which carries no shardings): a
             # step jitted without pinned shardings (tests/test_injected_bugs.py) must be
             # compiled for the arguments the train check will pass it.
-            lowered = step.lower(params, self.tx.init(params), self.batch)
+            lowered = step.lower(params, self.optimizer_state(params), self.batch)
             self._programs[id(weights)] = (weights, lowered, None)  # holds weights: ids stay
         return self._programs[id(weights)]
 
@@ -94,7 +95,14 @@ class DecoderSide(Side):
         check reads, are never the ones consumed."""
         params = twins.fresh_copy(self.step_params(weights))
         _, evaluate = self.train_fns()
-        return Trainer(params, self.tx.init(params), self.compiled(weights), evaluate)
+        return Trainer(params, self.optimizer_state(params), self.compiled(weights), evaluate)
+
+    def optimizer_state(self, params: Any) -> Any:
+        """A new optimizer state for `params`, placed as the train step declares it, in one
+        program (eagerly, each moment's zeros compiled a program per shape and sharding)."""
+        if self._init_optimizer is None:
+            self._init_optimizer = jax.jit(self.tx.init, out_shardings=self.state_shardings()[1])
+        return self._init_optimizer(params)
 
     def program_shardings(self, compiled: jax.stages.Compiled) -> dict[str, ProgramArray]:
         """Per array of the train step's inputs and outputs: its compiled sharding and the one

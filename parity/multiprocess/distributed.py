@@ -8,6 +8,7 @@ final (the CLI calls `initialize` right after it requested simulated devices).
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -64,14 +65,33 @@ def is_main() -> bool:
     return jax.process_index() == 0
 
 
-def _leaf_to_host(x: Any) -> Any:
-    if isinstance(x, jax.Array):
-        if x.is_fully_addressable:
-            return jax.device_get(x)
-        from jax.experimental import multihost_utils
+# One gather program per group of leaves up to this size: a tree comes back in a few programs
+# (a per-leaf gather compiled one program per leaf shape: 25 of a run's 51 compilations), while
+# a large model is never replicated whole on every device at once.
+GATHER_GROUP_BYTES = 1 << 30
 
-        return multihost_utils.process_allgather(x, tiled=True)
-    return x
+
+@functools.cache
+def _replicator(mesh: jax.sharding.Mesh) -> Any:
+    """A jitted identity whose outputs are replicated over `mesh`: every process then holds
+    every value (one collective program per group of leaves)."""
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.jit(lambda *arrays: arrays, out_shardings=replicated)
+
+
+def _gather_groups(arrays: list[jax.Array]) -> list[list[int]]:
+    """Indices of `arrays`, grouped by mesh, each group at most GATHER_GROUP_BYTES (a larger
+    array alone)."""
+    groups: dict[Any, list[list[int]]] = {}
+    sizes: dict[Any, int] = {}
+    for i, x in enumerate(arrays):
+        mesh = x.sharding.mesh
+        if mesh not in groups or sizes[mesh] + x.nbytes > GATHER_GROUP_BYTES:
+            groups.setdefault(mesh, []).append([])
+            sizes[mesh] = 0
+        groups[mesh][-1].append(i)
+        sizes[mesh] += x.nbytes
+    return [group for mesh_groups in groups.values() for group in mesh_groups]
 
 
 def to_host(tree: Any) -> Any:
@@ -82,7 +102,34 @@ def to_host(tree: Any) -> Any:
     """
     if jax.process_count() == 1:
         return jax.device_get(tree)
-    return jax.tree.map(_leaf_to_host, tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    spread = [
+        i
+        for i, x in enumerate(leaves)
+        if isinstance(x, jax.Array)
+        and not x.is_fully_addressable
+        and isinstance(x.sharding, jax.sharding.NamedSharding)
+    ]
+    for group in _gather_groups([leaves[i] for i in spread]):
+        indices = [spread[i] for i in group]
+        mesh = leaves[indices[0]].sharding.mesh
+        gathered = _replicator(mesh)(*(leaves[i] for i in indices))
+        for i, x in zip(indices, gathered, strict=True):
+            leaves[i] = np.asarray(x.addressable_data(0))
+    host = [_leaf_to_host(x) for x in leaves]
+    return jax.tree.unflatten(treedef, host)
+
+
+def _leaf_to_host(x: Any) -> Any:
+    """One leaf on the host: local arrays fetched; a global one on another kind of sharding
+    gathered alone (JAX's own process gather)."""
+    if isinstance(x, jax.Array):
+        if x.is_fully_addressable:
+            return jax.device_get(x)
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(x, tiled=True)
+    return x
 
 
 def _put(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:

@@ -58,23 +58,27 @@ class MaxTextPair(Pair):
     programs_on_mesh = True  # each side's own MaxText mesh, its shardings rebuilt here
 
     def __init__(
-        self, config: MaxTextConfig, environments: dict[str, Environment], seed: int = 0
+        self,
+        config: MaxTextConfig,
+        environments: dict[str, Environment],
+        seed: int = 0,
+        started: dict[str, RemoteSide] | None = None,
     ) -> None:
+        """`started`: sides already running for this config and seed (another pair's, e.g. one
+        Linen release against several NNX builds): used as they are, not restarted."""
         self.config, self.keys = config, config.keys
         self.environments, self.seed = environments, seed
         self.devices = config.num_devices
         self.workers = WorkerSet()
-        self.weight_maps = {"nnx": RELEASES}  # Linen's paths and names are the common form
-        sides = [self._side(f) for f in ("linen", "nnx")]
+        started = started or {}
+        for framework, side in started.items():
+            self.workers[framework] = side.worker
+        sides = [started.get(f) or self._side(f) for f in ("linen", "nnx")]
         super().__init__(*sides, TOLERANCE)
 
     def _side(self, framework: str) -> RemoteSide:
-        options = {"framework": framework, "overrides": self.keys}
         env = self.environments[framework]
-        worker = self.workers.start(
-            framework, env, FACTORY, options, self.batch(), {"DECOUPLE_GCLOUD": "TRUE"}
-        )
-        return RemoteSide(worker, framework, self.weight_maps.get(framework))
+        return start_side(self.config, framework, env, self.workers, self.seed)
 
     @property
     def own_checks(self) -> dict[str, Any]:
@@ -88,6 +92,18 @@ class MaxTextPair(Pair):
 
     def vacuity(self, run: Run) -> list[str]:
         return vacuity_problems(run, int(self.keys["vocab_size"]))
+
+
+def start_side(
+    config: MaxTextConfig, framework: str, env: Environment, workers: WorkerSet, seed: int = 0
+) -> RemoteSide:
+    """One release's side of `config`, in a worker of `env` added to `workers`."""
+    options = {"framework": framework, "overrides": config.keys}
+    first_batch = batch(config.keys, config.num_devices, seed, 0, "train")
+    worker = workers.start(
+        framework, env, FACTORY, options, first_batch, {"DECOUPLE_GCLOUD": "TRUE"}
+    )
+    return RemoteSide(worker, framework, RELEASES if framework == "nnx" else None)
 
 
 # What MaxText exposes for a drill-down, measured on pp4 with `record_internal_nn_metrics=true`
