@@ -7,6 +7,14 @@ import re
 from pathlib import Path
 
 _flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+# The suite compiles XLA:CPU machine code without LLVM's optimisations (its programs are tiny;
+# most of its time is compiling them): the HLO every check compares, the shardings, collectives
+# and memory are XLA's own either way; only the generated code is slower. Measured cold on
+# tests/test_linen_pipeline.py: 119 s -> 95 s. The default config's matrix entry runs with XLA's
+# defaults, as users run it (tests/test_cli.py).
+FAST_CODEGEN = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if "--xla_backend_optimization_level" not in _flags:
+    _flags = f"{_flags} {FAST_CODEGEN}"
 os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
 # One persistent XLA compilation cache for the session (every xdist worker) and the CLI
 # subprocesses it starts: the same programs (the twins in every NNX mode, the CLI's runs)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from conftest import CONFIG_DIR, SHIPPED_TINY_CONFIGS, tiny
+from conftest import CONFIG_DIR, FAST_CODEGEN, SHIPPED_TINY_CONFIGS, tiny
 
 from migrate.common import placement
 from migrate.runtime import devices
@@ -20,6 +20,7 @@ from parity import cli
 from parity.reports import report
 
 REPO = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = "llama2-tiny"  # what `make parity` runs (Makefile's CONFIG)
 
 
 def parity_command() -> list[str]:
@@ -28,15 +29,24 @@ def parity_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "parity.cli"]
 
 
-def run_parity(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_parity(
+    *args: str, timeout: int = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [*parity_command(), *args],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=os.environ.copy(),
+        env=env or os.environ.copy(),
     )
+
+
+def default_codegen_env() -> dict[str, str]:
+    """This environment with XLA's default code generation (the suite's faster, unoptimised
+    machine code removed: `conftest.FAST_CODEGEN`)."""
+    flags = os.environ.get("XLA_FLAGS", "").replace(FAST_CODEGEN, "")
+    return {**os.environ, "XLA_FLAGS": " ".join(flags.split())}
 
 
 def run_in_process(*args: str) -> int:
@@ -109,7 +119,8 @@ def test_every_check_passes_on_every_shipped_tiny_config(name, tmp_path, capsys)
     """The config matrix CI gates: every check (`--checks=all`) and every report, on every
     shipped tiny config. Meshes that fit this session's devices run in-process (sharing
     compiled programs with the other tests); larger ones run the console script, which
-    requests its own simulated devices."""
+    requests its own simulated devices, and so does the default config, with XLA's default
+    code generation, as users run it (the suite's own is unoptimised: conftest.FAST_CODEGEN)."""
     cfg = tiny(name)
     json_path, junit_path, plot_path = (tmp_path / f for f in ("r.json", "r.xml", "r.png"))
     args = (
@@ -121,7 +132,10 @@ def test_every_check_passes_on_every_shipped_tiny_config(name, tmp_path, capsys)
         f"--plot={plot_path}",
         f"--golden={tmp_path / 'golden'}",
     )
-    if cfg.num_devices <= jax.device_count():
+    if name == DEFAULT_CONFIG:
+        result = run_parity(*args, env=default_codegen_env())
+        status, out, err = result.returncode, result.stdout, result.stderr
+    elif cfg.num_devices <= jax.device_count():
         status = run_in_process(*args)
         out, err = capsys.readouterr()
     else:
