@@ -81,7 +81,8 @@ class ModulePair(Pair):
     roundtrip_note = ROUNDTRIP_NOTE
     program_name = "forward+backward"
     # Outputs, state and sown values flow forward: the first that differs is the place (the
-    # larger errors downstream are its consequence). Gradients flow both ways: the largest.
+    # larger errors downstream are its consequence). Gradients flow both ways: named where
+    # the backward pass parts ways (`checks._where_backward_parts`).
     earliest = frozenset({"forward"})
 
     def __init__(
@@ -103,6 +104,10 @@ class ModulePair(Pair):
     def rank(self, tensor: str) -> int:
         """A record's place in the Linen module's execution order."""
         return self._rank(tensor)
+
+    def module_of(self, tensor: str) -> tuple[str, ...] | None:
+        """The Linen module path a record's tensor names (`block_1/attn/key`), or None."""
+        return self._rank.module_of(tensor)
 
     def batch(self, step: int = 0, split: str = "train") -> Any:
         """Each side trains and evaluates on its own calls (their arguments can differ)."""

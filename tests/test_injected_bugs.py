@@ -456,6 +456,14 @@ def _bug_param(bug: tuple) -> pytest.param:
     return pytest.param(bug, id=bug_id, marks=() if both_stacks else default_stack_only)
 
 
+# Checks a bug may also fail, by rounding only: unmasked bubbles add exact zeros, but the NNX
+# program is no longer the Linen one, and XLA may sum the gradients in another order. Measured:
+# bit-exact with XLA's default code generation, 5.6e-7 relative (a few float32 ulp) with the
+# suite's unoptimised one (tests/conftest.py). Zero-filled, the idle slots change no value:
+# only the NaN fill of `bubbles` sees the bug.
+ROUNDING_ALSO = {"bubbles_unmasked": "grads"}
+
+
 @pytest.mark.parametrize("bug", [_bug_param(b) for b in BUGS])
 def test_injected_bug_fails_the_gate_at_the_right_place(bug, monkeypatch, fresh_nnx, tmp_path):
     inject, config, selected, expected, *overrides = bug
@@ -464,6 +472,11 @@ def test_injected_bug_fails_the_gate_at_the_right_place(bug, monkeypatch, fresh_
     status, report = run_cli(tmp_path, config, *args)
     assert status == cli.EXIT_FAIL
     where = failing(report)
+    rounding = ROUNDING_ALSO.get(inject.__name__)
+    if rounding in where:
+        worst = next(c["worst"]["value"] for c in report["checks"] if c["name"] == rounding)
+        assert worst < 16 * 2.0**-23, (rounding, worst)  # rounding, not a real difference
+        del where[rounding]
     assert set(where) == set(expected), where
     for check, place in expected.items():
         assert place in where[check], (check, where[check])

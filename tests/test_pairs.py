@@ -377,6 +377,18 @@ def test_a_shared_annotation_defect_is_a_warning_and_mesh_axis_names_resolve_ali
     assert failing(results) == {"sharding": "kernel: names"}
 
 
+def test_a_port_annotated_with_mesh_axes_converts_and_gates_like_any_port():
+    """The weights cross both ways through the rules (each side keeps its own annotations), so
+    every check runs, not only `sharding`; names that resolve elsewhere are still refused."""
+    linen, port = _dense_pair(("embed", "mlp"), (None, "model"))
+    results = compare_modules(linen, port, (X,), rules=RULES)
+    assert all(r.passed for r in results), format_report(results)
+    assert {"roundtrip", "forward", "grads"} <= {r.name for r in results}
+    linen, port = _dense_pair(("embed", "mlp"), ("model", None))
+    results = compare_modules(linen, port, (X,), rules=RULES, checks=["roundtrip"])
+    assert not results[0].passed and "logical names differ" in results[0].message
+
+
 def test_renames_are_suggested_by_shape_and_position_and_lists_cut_at_whole_lines():
     from parity.engine.renames import suggest
     from parity.engine.result import whole_lines

@@ -77,18 +77,27 @@ def test_the_correct_port_passes_every_check_with_the_default_options():
             {"scale": 2.0},  # block 1's attention scores twice too sharp
             {
                 "forward": "linen-init/sown/intermediates/block_1/mlp_hidden/0",
-                # The largest gradient difference is upstream: the backward pass carries the
-                # sharper attention's difference into block 0 (forward and layers localise).
-                "grads": "linen-init/grads/block_0/norm_attn/bias",
+                # The forward pass parts ways in block 1: its largest gradient difference (the
+                # largest of all is upstream, in block 0: the backward pass carries it there).
+                "grads": "linen-init/grads/block_1/norm_attn/bias",
                 "layers": "block_1/attn/out",
             },
         ),
         (
-            {"swap": True},  # block 0 uses each LayerNorm in the other's place
-            {"grads": "linen-init/grads/block_0/norm_attn/bias", "layers": "block_0/norm_attn"},
+            # block 0 uses each LayerNorm in the other's place: the same forward (both start
+            # at scale 1, bias 0); the backward pass reaches norm_mlp first
+            {"swap": True},
+            {"grads": "linen-init/grads/block_0/norm_mlp/scale", "layers": "block_0/norm_attn"},
+        ),
+        (
+            # block 1's MLP passes no gradient back through its hidden layer: the same forward;
+            # the last module whose gradients differ is `up` (every module before it receives
+            # its cotangent)
+            {"cut": True},
+            {"grads": "linen-init/grads/block_1/up/bias"},
         ),
     ],
-    ids=["scale", "swapped_names"],
+    ids=["scale", "swapped_names", "backward_only"],
 )
 def test_a_seeded_bug_is_named_in_its_block(bug, expected):
     results = compare_modules(wm.LinenModel(), wm.nnx_model(**bug), EVAL, checks=FORWARD)
@@ -173,7 +182,9 @@ def test_decoding_compares_the_cache_after_every_step():
 class LinenBlock(nn.Module):
     @nn.compact
     def __call__(self, x):
-        return x + nn.Dense(4, name="dense")(nn.LayerNorm(name="norm")(x))
+        hidden = nn.Dense(4, name="dense")(nn.LayerNorm(name="norm")(x))
+        self.sow("intermediates", "hidden", hidden)
+        return x + hidden
 
 
 class NNXBlock(nnx.Module):
@@ -182,7 +193,9 @@ class NNXBlock(nnx.Module):
         self.dense = nnx.Linear(4, 4, rngs=rngs)
 
     def __call__(self, x):
-        return x + self.dense(self.norm(x))
+        hidden = self.dense(self.norm(x))
+        self.sow(nnx.Intermediate, "hidden", hidden)
+        return x + hidden
 
 
 class LinenStack(nn.Module):
@@ -231,10 +244,37 @@ def test_a_migration_layer_by_layer_gates_bit_exactly_at_every_stage():
         port = NNXStack(x)
         stages = [(LinenStack(k), port) for k in range(4)]
         stages += [(LinenStack(), NNXStack(x, linen_blocks=k)) for k in (3, 2, 1)]
+    sown = [f"linen-init/sown/intermediates/block_{i}/hidden/0" for i in range(3)]
     for linen, nnx_model in stages:
         results = compare_modules(linen, nnx_model, (x,), checks=checks)
         assert not failing(results), format_report(results)
         assert all(r.value == 0.0 for r in results)
+        # every block's sown value, on both sides of every bridge
+        compared = [d["tensor"] for d in results[1].details]
+        assert all(tensor in compared for tensor in sown), compared
+
+
+def test_a_bug_in_a_bridged_linen_layer_is_named_by_what_it_sows():
+    """The NNX model's last block is a Linen layer held through `bridge.ToNNX`, one that
+    differs from the original's (its hidden layer twice as large): named at its sown value."""
+
+    class Doubled(LinenBlock):
+        @nn.compact
+        def __call__(self, x):
+            hidden = 2.0 * nn.Dense(4, name="dense")(nn.LayerNorm(name="norm")(x))
+            self.sow("intermediates", "hidden", hidden)
+            return x + hidden
+
+    x = jax.random.normal(jax.random.key(0), (2, 4))
+    with nnx.use_eager_sharding(False):
+        port = NNXStack(x, linen_blocks=1)
+        port.block_2 = bridge.ToNNX(Doubled(), rngs=nnx.Rngs(0))
+        bridge.lazy_init(port, x)
+    results = compare_modules(LinenStack(), port, (x,), checks=["forward"])
+    place = "linen-init/sown/intermediates/block_2/hidden/0"
+    assert failing(results) == {"forward": place}
+    record = next(d for d in results[0].details if d["tensor"] == place)
+    assert 0 < record["max_rel"] < float("inf"), record  # compared, not missing on one side
 
 
 # ------------------------------------------------------------------ misuse and hints

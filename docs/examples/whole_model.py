@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -95,9 +96,16 @@ def _meta(*names: str) -> dict:
 
 class NNXBlock(nnx.Module):
     def __init__(
-        self, *, rngs: nnx.Rngs, scale: float = 1.0, drop_attn: bool = True, swap: bool = False
+        self,
+        *,
+        rngs: nnx.Rngs,
+        scale: float = 1.0,
+        drop_attn: bool = True,
+        swap: bool = False,
+        cut: bool = False,
     ):
         self.swap = swap  # the seeded swapped name: each LayerNorm used in the other's place
+        self.cut = cut  # the seeded backward-only bug: no gradient through the MLP's hidden
         self.norm_attn = nnx.LayerNorm(EMBED, rngs=rngs)
         self.attn = nnx.MultiHeadAttention(
             HEADS,
@@ -128,13 +136,15 @@ class NNXBlock(nnx.Module):
         )
         x = x + self.drop_attn(self.attn(norm_attn(x), mask=mask))
         h = self.drop_mlp(nnx.relu(self.up(norm_mlp(x))))
+        h = jax.lax.stop_gradient(h) if self.cut else h
         self.sow(nnx.Intermediate, "mlp_hidden", h)
         return x + self.down(h)
 
 
 class NNXModel(nnx.Module):
     """The port. Seeded bugs: `scale` in block 1's attention, `drop_attn=False` (block 1
-    forgets its attention dropout), `swap` (block 0 uses each LayerNorm in the other's place).
+    forgets its attention dropout), `swap` (block 0 uses each LayerNorm in the other's place),
+    `cut` (block 1's MLP passes no gradient back through its hidden layer: the same forward).
     `embed_name` is the embedding's attribute (`wte` needs a rename, and sorts after `norm`)."""
 
     embed_name = "embed"
@@ -147,6 +157,7 @@ class NNXModel(nnx.Module):
         scale: float = 1.0,
         drop_attn: bool = True,
         swap: bool = False,
+        cut: bool = False,
     ):
         embed = nnx.Embed(
             VOCAB,
@@ -158,7 +169,7 @@ class NNXModel(nnx.Module):
         setattr(self, self.embed_name, embed)
         self.drop_embed = nnx.Dropout(DROPOUT, rngs=rngs)
         self.block_0 = NNXBlock(rngs=rngs, swap=swap)
-        self.block_1 = NNXBlock(rngs=rngs, scale=scale, drop_attn=drop_attn)
+        self.block_1 = NNXBlock(rngs=rngs, scale=scale, drop_attn=drop_attn, cut=cut)
         self.norm = nnx.LayerNorm(EMBED, rngs=rngs)
         self.decode = decode
 

@@ -8,7 +8,8 @@ raised at once in a `ConversionError` that lists every offending path with both 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import operator
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -20,6 +21,8 @@ from migrate.config.contract import Config
 
 Names = tuple[str | None, ...]
 Path = tuple[str, ...]
+# Whether two annotations of one weight agree (default: equal names).
+SameNames = Callable[[Names | None, Names | None], bool]
 
 # Linen path prefix -> NNX path prefix, for module pairs whose paths must differ. The twins in
 # migrate/linen and migrate/nnx agree on every path, so the project's own map is empty; a
@@ -176,7 +179,9 @@ def nnx_names(variable: nnx.Variable) -> Names | None:
     return None if names is None else tuple(names)
 
 
-def _check_pair(key: Path, linen_value, linen_names, nnx_value, nnx_names_) -> list[str]:
+def _check_pair(
+    key: Path, linen_value, linen_names, nnx_value, nnx_names_, same_names: SameNames | None = None
+) -> list[str]:
     problems = []
     where = _keyed_str(key)
     if tuple(linen_value.shape) != tuple(nnx_value.shape):
@@ -188,7 +193,7 @@ def _check_pair(key: Path, linen_value, linen_names, nnx_value, nnx_names_) -> l
         problems.append(
             f"{where}: dtype differs: Linen {linen_value.dtype} vs NNX {nnx_value.dtype}"
         )
-    if linen_names != nnx_names_:
+    if not (same_names or operator.eq)(linen_names, nnx_names_):
         problems.append(f"{where}: logical names differ: Linen {linen_names} vs NNX {nnx_names_}")
     return problems
 
@@ -197,9 +202,10 @@ def _match(
     direction: str,
     linen_flat: dict[Path, tuple[Any, Names | None]],
     nnx_flat: dict[Path, tuple[Any, Names | None]],
+    same_names: SameNames | None = None,
 ) -> None:
     """Raise one ConversionError listing every missing, extra and mismatching path (keys
-    are (collection, *path))."""
+    are (collection, *path)); names agree when equal, or as `same_names` says."""
     problems = []
     for key in sorted(set(nnx_flat) - set(linen_flat)):
         problems.append(
@@ -210,7 +216,7 @@ def _match(
             f"{_keyed_str(key)}: missing on the NNX side (Linen: {_describe(*linen_flat[key])})"
         )
     for key in sorted(set(linen_flat) & set(nnx_flat)):
-        problems += _check_pair(key, *linen_flat[key], *nnx_flat[key])
+        problems += _check_pair(key, *linen_flat[key], *nnx_flat[key], same_names)
     if problems:
         raise ConversionError(direction, problems)
 
@@ -236,13 +242,15 @@ def linen_to_nnx(
     target: nnx.Module | nnx.State,
     renames: Mapping[Path, Path] = LINEN_TO_NNX_RENAMES,
     collections: Mapping[str, type] = PARAMS_ONLY,
+    same_names: SameNames | None = None,
 ) -> nnx.State:
     """Linen variables -> a new NNX State shaped like `target`'s mapped variables.
 
     `target` is an NNX model or its (possibly abstract, from `nnx.eval_shape`) state; it is not
     modified. `collections` maps each Linen collection to its NNX Variable type (default: only
     `params` <-> `nnx.Param`). Every mapped NNX Variable must be matched by a Linen leaf of the
-    same shape, dtype and logical names; the arrays are moved, not copied.
+    same shape, dtype and logical names (or names `same_names` accepts: the NNX Variables keep
+    their own); the arrays are moved, not copied.
     """
     if "params" not in variables:
         raise ConversionError(
@@ -256,7 +264,8 @@ def linen_to_nnx(
     state = nnx.state(target) if isinstance(target, nnx.Module) else target
     nnx_flat = nnx_flat_variables(state, collections)
     linen_flat = _linen_flat(variables, renames, collections)
-    _match("Linen -> NNX", linen_flat, {k: (v, nnx_names(v)) for k, v in nnx_flat.items()})
+    nnx_described = {k: (v, nnx_names(v)) for k, v in nnx_flat.items()}
+    _match("Linen -> NNX", linen_flat, nnx_described, same_names)
     with nnx.use_eager_sharding(False):
         return nnx.from_flat_state(
             {k[1:]: v.replace(linen_flat[k][0]) for k, v in nnx_flat.items()}
@@ -296,15 +305,24 @@ def nnx_to_linen(
 
 
 def check_linen(
-    variables: Mapping[str, Any], target: Mapping[str, Any], direction: str = "NNX -> Linen"
+    variables: Mapping[str, Any],
+    target: Mapping[str, Any],
+    direction: str = "NNX -> Linen",
+    same_names: SameNames | None = None,
 ) -> dict[str, Any]:
     """`variables` (Linen variables, boxed) when every leaf of every collection of `target`
     (possibly abstract, from `jax.eval_shape(model.init, ...)`) is matched in path, shape,
     dtype and logical names, and `variables` has nothing more; otherwise one ConversionError
-    listing every mismatch."""
+    listing every mismatch. Names `same_names` accepts become the target's (its model's own)."""
     collections = sorted(set(target) | set(variables))
-    _match(direction, _linen_flat(target, {}, collections), _linen_flat(variables, {}, collections))
-    return dict(variables)
+    target_flat = _linen_flat(target, {}, collections)
+    _match(direction, target_flat, _linen_flat(variables, {}, collections), same_names)
+    if same_names is None:
+        return dict(variables)
+    arrays, _ = strip_boxes(dict(variables))
+    key = lambda path: tuple(str(k.key) for k in path)  # (collection, *path)
+    names = jax.tree_util.tree_map_with_path(lambda p, _: target_flat[key(p)][1], arrays)
+    return restore_boxes(arrays, names)
 
 
 # ------------------------------------------------------------------ layouts

@@ -143,6 +143,32 @@ def logical_to_spec(names: LogicalNames, rules: Rules) -> PartitionSpec:
     return nn.logical_to_mesh_axes(tuple(names), rules)
 
 
+def resolved_spec(names: LogicalNames, rules: Rules) -> PartitionSpec:
+    """The spec `names` resolve to: logical names through `rules` (Linen's resolver), and a
+    name that is itself a mesh axis of the rules (a port annotated with mesh axes) to that
+    axis, as NNX's resolver passes it through."""
+    targets = (t if isinstance(t, tuple) else (t,) for _, t in rules)
+    mesh_axes = {a for target in targets for a in target if a is not None}
+    logical = {name for name, _ in rules}
+    identity = tuple((a, a) for a in sorted(mesh_axes - logical, key=str))
+    return logical_to_spec(names, (*rules, *identity))
+
+
+def same_placement(rules: Rules | None):
+    """A predicate on two annotations: the same names, or (with `rules`) names of the same
+    length that resolve to the same spec (`resolved_spec`: logical on one side, mesh axes on
+    the other)."""
+
+    def same(a: LogicalNames | None, b: LogicalNames | None) -> bool:
+        if a == b:
+            return True
+        if rules is None or a is None or b is None or len(a) != len(b):
+            return False
+        return resolved_spec(a, rules) == resolved_spec(b, rules)
+
+    return same
+
+
 def named_sharding(names: LogicalNames, mesh: Mesh, rules: Rules) -> NamedSharding:
     """Logical names -> NamedSharding on `mesh`."""
     return NamedSharding(mesh, logical_to_spec(names, rules))

@@ -23,6 +23,7 @@ from parity.engine.result import (
     exact_records,
     keyed_records,
     numeric_records,
+    ranked_errors,
     tree_records,
     verdict,
 )
@@ -127,7 +128,7 @@ def init(pair: Pair) -> CheckResult:
 # ------------------------------------------------------------------ forward and backward
 
 
-def _both_sources(pair: Pair, name: str, parts: Sequence[str]) -> CheckResult:
+def _both_sources(pair: Pair, name: str, parts: Sequence[str], pick=None) -> CheckResult:
     tol = pair.tolerance
     records, named = [], {}
     for source in SOURCES:
@@ -135,7 +136,52 @@ def _both_sources(pair: Pair, name: str, parts: Sequence[str]) -> CheckResult:
         named |= {f"linen ({source}-init)": linen_run, f"nnx ({source}-init)": nnx_run}
         records += run_records(f"{source}-init/", nnx_run, linen_run, tol, parts, pair.output_name)
     earliest = name in pair.earliest
-    return verdict(name, records, tol, vacuity(pair, named), rank=pair.rank, earliest=earliest)
+    problems = vacuity(pair, named)
+    return verdict(name, records, tol, problems, rank=pair.rank, earliest=earliest, pick=pick)
+
+
+def _where_backward_parts(pair: Pair) -> Callable[[list[dict]], dict]:
+    """The failing gradient record to name, in a pair that knows its modules (`module_of`):
+    where the forward pass already differs, inside the first module whose output differs (every
+    gradient downstream and upstream of it follows from it); otherwise in the last module, in
+    execution order, whose gradients differ (the first the backward pass reaches: the modules
+    before it receive its cotangent). The largest error there."""
+    forward_failing = [
+        r
+        for source in SOURCES
+        for r in run_records(
+            f"{source}-init/",
+            pair.run("nnx", source),
+            pair.run("linen", source),
+            pair.tolerance,
+            pair.forward_parts,
+            pair.output_name,
+        )
+        if not r["passed"]
+    ]
+
+    def pick(failing: list[dict]) -> dict:
+        error = ranked_errors(failing)
+
+        def largest(candidates: list[dict]) -> dict:
+            return min(candidates, key=lambda r: (-error(r), pair.rank(r["tensor"])))
+
+        modules = {id(r): pair.module_of(r["tensor"]) for r in failing}
+        placed = [r for r in failing if modules[id(r)]]
+        if forward_failing:
+            first = min(forward_failing, key=lambda r: pair.rank(r["tensor"]))
+            module = pair.module_of(first["tensor"]) or ()
+            for depth in range(len(module), 0, -1):  # that module, else the one holding it
+                inside = [r for r in placed if modules[id(r)][:depth] == module[:depth]]
+                if inside:
+                    return largest(inside)
+            return largest(failing)
+        if not placed:
+            return largest(failing)
+        last = max(pair.rank(r["tensor"]) for r in placed)
+        return largest([r for r in placed if pair.rank(r["tensor"]) == last])
+
+    return pick
 
 
 def forward(pair: Pair) -> CheckResult:
@@ -149,7 +195,8 @@ def grads(pair: Pair) -> CheckResult:
     parts = (
         ("grads", "grad_norm") if pair.run("linen", "linen").grad_norm is not None else ("grads",)
     )
-    return _both_sources(pair, "grads", parts)
+    pick = _where_backward_parts(pair) if pair.module_of is not None else None
+    return _both_sources(pair, "grads", parts, pick)
 
 
 # ------------------------------------------------------------------ training

@@ -22,6 +22,7 @@ from flax.core import DenyList
 from flax.nnx import bridge
 
 from migrate.checkpoints import convert
+from migrate.common import sharding as sharding_lib
 from parity.engine import bridges, hints, order
 from parity.engine.calls import is_sown
 from parity.engine.module_base import (
@@ -142,7 +143,8 @@ class LinenModuleSide(ModuleSide):
         return {tuple(str(k) for k in path): tuple(x.shape) for path, x in flat.items()}
 
     def from_common(self, variables: dict[str, Any]) -> Any:
-        return convert.check_linen(variables, self._target)
+        same = sharding_lib.same_placement(self.rules)
+        return convert.check_linen(variables, self._target, same_names=same)
 
     def plain(self, tree: Any) -> Any:
         if isinstance(tree, Mapping) and "params" in tree:
@@ -258,7 +260,10 @@ class NNXModuleSide(ModuleSide):
         return convert.nnx_to_linen(weights, renames=self.renames, collections=self.collections)
 
     def from_common(self, variables: dict[str, Any]) -> Any:
-        return convert.linen_to_nnx(variables, self.template, self.renames, self.collections)
+        same = sharding_lib.same_placement(self.rules)
+        return convert.linen_to_nnx(
+            variables, self.template, self.renames, self.collections, same_names=same
+        )
 
     def plain(self, tree: Any) -> Any:
         tree = jax.tree.map(
@@ -293,20 +298,24 @@ class NNXModuleSide(ModuleSide):
         def method(module, *args, **kwargs):
             return (getattr(module, call.method) if call.method else module)(*args, **kwargs)
 
+        sown = self.sown_collections or {"intermediates": nnx.Intermediate}
         try:
             if call.nnx_attributes:
                 model.set_attributes(**call.nnx_attributes)
-            out, *captured = nnx.capture(
-                method,
-                *(self.sown_collections.values() or (nnx.Intermediate,)),
-                method_outputs=nnx.Intermediate if capture_all else None,
-            )(model, *args, **kwargs)
+            with bridges.bridged_sown(model, sown) as bridged:
+                out, *captured = nnx.capture(
+                    method,
+                    *sown.values(),
+                    method_outputs=nnx.Intermediate if capture_all else None,
+                )(model, *args, **kwargs)
         except Exception as error:
             nnx_arg = call.randomness.nnx_arg if call.randomness else None
             hint = hints.nnx_hint(error, nnx_arg)
             raise SideError(self.framework, f"call {call.name!r}", error, hint) from error
         _, new_state, new_rng = nnx.state(model, nnx.Param, self.state_types, ...)
-        return out, new_state, new_rng, nnx.merge_state(*captured)  # one State per sown type
+        # one State per sown type, and what the Linen layers inside sowed, at their paths
+        sown_state = nnx.merge_state(*captured, bridges.with_prefixes(bridged))
+        return out, new_state, new_rng, sown_state
 
     def _linen_key(self, path: tuple, collection: str | None) -> str:
         keys = module_keys(path)

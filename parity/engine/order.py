@@ -50,13 +50,18 @@ class ExecutionRank:
         self.longest = max((len(p) for p in self.index), default=0)
 
     def __call__(self, tensor: str) -> int:
+        module = self.module_of(tensor)
+        return len(self.index) if module is None else self.index[module]
+
+    def module_of(self, tensor: str) -> tuple[str, ...] | None:
+        """The longest module path `tensor` names (the earliest in execution among equals)."""
         parts = tuple(tensor.split("/"))
         for length in range(min(self.longest, len(parts)), 0, -1):
             found = [
-                self.index[parts[i : i + length]]
+                parts[i : i + length]
                 for i in range(len(parts) - length + 1)
                 if parts[i : i + length] in self.index
             ]
             if found:
-                return min(found)
-        return len(self.index)
+                return min(found, key=self.index.__getitem__)
+        return None

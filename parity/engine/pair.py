@@ -46,6 +46,9 @@ class Pair:
     # failing check then names its largest error, the earliest among equals; None names the
     # first failure in check order.
     rank: Callable[[str], Any] | None = None
+    # The module path a record's tensor names (None: none), in a pair that knows its modules:
+    # `grads` then names the place the backward pass first parts ways.
+    module_of: Callable[[str], tuple[str, ...] | None] | None = None
     # Checks that name the earliest failing record in the data flow instead (a module pair's
     # forward: its sown values and outputs differ from the first place that differs on).
     earliest: frozenset[str] = frozenset()

@@ -35,14 +35,7 @@ def _flat_params(pair: Pair, framework: str) -> tuple[dict, dict]:
     return convert.flatten_dict(arrays), convert.flatten_dict(names)
 
 
-def _resolved(names: Any, rules: Any) -> Any:
-    """The spec `names` resolve to: logical names through `rules` (Linen's resolver), and a
-    name that is itself a mesh axis of the rules (a port annotated with mesh axes) to that
-    axis, as NNX's resolver passes it through."""
-    axes = {a for _, target in rules for a in (target if isinstance(target, tuple) else (target,))}
-    logical = {name for name, _ in rules}
-    identity = tuple((a, a) for a in sorted(axes - logical, key=str) if a is not None)
-    return sharding_lib.logical_to_spec(names, (*rules, *identity))
+_resolved = sharding_lib.resolved_spec
 
 
 def _equivalent(a: Any, b: Any, ndim: int) -> bool:

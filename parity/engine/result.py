@@ -270,16 +270,19 @@ def verdict(
     rank: Rank | None = None,
     note: str | None = None,
     earliest: bool = False,
+    pick: Callable[[list[dict]], dict] | None = None,
 ) -> CheckResult:
     """The verdict over numeric `records`. `where` names the first failing record in check
     order (the step order of `train`, the data flow of `layers`) or, given a data-flow `rank`,
     the failing record with the largest error relative to its scale (`ranked_errors`: noise
     leaves against a floor), the earliest in the data flow among equals (with `earliest`:
     the earliest failing record in the data flow, where a value that flows forward first
-    parts ways); when nothing fails,
+    parts ways; with `pick`, the failing record it picks); when nothing fails,
     the worst record; a vacuous run (`problems` and no failing record), its first problem."""
     failing = [r for r in records if not r["passed"]]
-    if failing and rank is not None and earliest:
+    if failing and pick is not None:
+        worst = pick(failing)
+    elif failing and rank is not None and earliest:
         worst = min(failing, key=lambda r: rank(r["tensor"]))  # stable: record order on ties
     elif failing and rank is not None:
         error = ranked_errors(failing)
