@@ -277,6 +277,34 @@ def test_a_bug_in_a_bridged_linen_layer_is_named_by_what_it_sows():
     assert 0 < record["max_rel"] < float("inf"), record  # compared, not missing on one side
 
 
+def test_a_bridged_linen_layer_called_twice_sows_twice():
+    """One Linen layer held through `bridge.ToNNX` and called twice: both values it sows are
+    compared, in call order (Linen's `sow` appends)."""
+
+    class Twice(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            block = LinenBlock(name="block")
+            return block(block(x))
+
+    class NNXTwice(nnx.Module):
+        def __init__(self, x):
+            self.block = bridge.ToNNX(LinenBlock(), rngs=nnx.Rngs(0))
+            bridge.lazy_init(self, x)
+
+        def __call__(self, x):
+            return self.block(self.block(x))
+
+    x = jax.random.normal(jax.random.key(0), (2, 4))
+    with nnx.use_eager_sharding(False):
+        port = NNXTwice(x)
+    results = compare_modules(Twice(), port, (x,), checks=["forward"])
+    assert not failing(results), format_report(results)
+    compared = [d["tensor"] for d in results[0].details]
+    for call in (0, 1):
+        assert f"linen-init/sown/intermediates/block/hidden/{call}" in compared, compared
+
+
 # ------------------------------------------------------------------ misuse and hints
 
 

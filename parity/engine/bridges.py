@@ -80,10 +80,13 @@ def bridged_sown(model: nnx.Module, collections: Mapping[str, type]) -> Iterator
 
 
 def with_prefixes(collected: list) -> nnx.State:
-    """The collected states, each under its layer's path, as one `nnx.State`."""
-    flat = [
-        ((*path, *inner), variable)
-        for path, state in collected
-        for inner, variable in nnx.to_flat_state(state)
-    ]
-    return nnx.from_flat_state(flat)
+    """The collected states, each under its layer's path, as one `nnx.State`; a layer called
+    twice sows twice, and its values join in call order (as Linen's `sow` appends them)."""
+    flat: dict[tuple, Any] = {}
+    for path, state in collected:
+        for inner, variable in nnx.to_flat_state(state):
+            key = (*path, *inner)
+            if key in flat:
+                variable = variable.replace(flat[key].get_value() + variable.get_value())
+            flat[key] = variable
+    return nnx.from_flat_state(list(flat.items()))
