@@ -16,7 +16,7 @@ from migrate.common import sharding
 from migrate.config import loading
 from migrate.runtime import memory
 from parity import cli
-from parity.analysis import hlo
+from parity.analysis import work
 from parity.decoder import checks as decoder_checks
 from parity.decoder import cost, efficiency
 from parity.decoder.session import DecoderPair
@@ -154,8 +154,8 @@ def _flops(fn, *args) -> tuple[float, float, float]:
     analysed = compiled.cost_analysis()
     analysed = analysed[0] if isinstance(analysed, (list, tuple)) else analysed
     return (
-        hlo.dot_flops(compiled.as_text()),
-        hlo.dot_flops(lowered.as_text(dialect="hlo")),
+        work.dot_flops(compiled.as_text()),
+        work.dot_flops(lowered.as_text(dialect="hlo")),
         analysed["flops"],
     )
 
@@ -191,6 +191,51 @@ def test_dot_flops_counts_a_loop_body_once_and_ignores_elementwise_work():
     compiled, _, analysed = _flops(lambda a: jax.lax.scan(body, a, None, length=10)[0], a)
     assert compiled == 2 * 8 * 16 * 16  # once, as XLA's cost analysis counts it
     assert analysed > compiled  # tanh and add are FLOPs, not matmul work
+
+
+def _xla_flops(compiled) -> float:
+    analysed = compiled.cost_analysis()
+    return (analysed[0] if isinstance(analysed, (list, tuple)) else analysed)["flops"]
+
+
+@pytest.mark.parametrize("reduce", ["sum", "max", "window"])
+def test_executed_work_counts_by_xla_s_rules_and_runs_loops_to_their_trip_count(reduce):
+    """A loop body (matmul, compare and select, a reduction, converts): on the loop-free
+    (unrolled) program the count is XLA's cost analysis, FLOP for FLOP; on the rolled one, with
+    the body counted once, it is XLA's count again, and run to the trip count its matmul work
+    is the unrolled program's. The efficiency check reads the rolled program."""
+    w = jnp.ones((16, 16))
+    reductions = {
+        "sum": lambda y: y.sum(axis=1, keepdims=True),
+        "max": lambda y: y.max(axis=1, keepdims=True),
+        "window": lambda y: jax.lax.reduce_window(y, 0.0, jax.lax.add, (1, 16), (1, 16)),
+    }
+
+    def body(c, _):
+        y = jnp.where(c @ w > 0, c @ w, 0.5 * c)
+        return (y - reductions[reduce](y)).astype(jnp.bfloat16).astype(jnp.float32), None
+
+    def program(unroll):
+        return jax.jit(lambda a: jax.lax.scan(body, a, None, length=6, unroll=unroll)[0])
+
+    a = jnp.ones((8, 16))
+    rolled = program(1).lower(a).compile()
+    unrolled = program(True).lower(a).compile()
+    assert "while(" in rolled.as_text() and "while(" not in unrolled.as_text()
+    performed = work.executed(rolled.as_text())
+    assert performed.dot_flops == 6 * 2 * 8 * 16 * 16 == work.dot_flops(unrolled.as_text())
+    assert work.executed(unrolled.as_text()).flops == _xla_flops(unrolled)
+    assert work.executed(rolled.as_text(), loops_once=True).flops == _xla_flops(rolled)
+    # XLA optimises the two forms apart (fusion, common subexpressions): close, not equal.
+    assert performed.flops == pytest.approx(_xla_flops(unrolled), rel=0.05)
+    assert performed.flops > 5 * _xla_flops(rolled)
+
+
+def test_executed_work_refuses_a_loop_of_unknown_trip_count():
+    body = lambda c: c @ jnp.ones((16, 16))
+    loop = jax.jit(lambda a: jax.lax.while_loop(lambda c: c.sum() < 1e6, body, a))
+    with pytest.raises(ValueError, match="known trip count"):
+        work.executed(loop.lower(jnp.ones((8, 16))).compile().as_text())
 
 
 def test_dot_flops_of_a_sharded_program_are_per_device():

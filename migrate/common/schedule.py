@@ -7,6 +7,7 @@ Stage s during repeat r runs global layers `(r*S + s)*L + j`, j in 0..L-1, so a 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,17 +44,18 @@ def placement(cfg: Config) -> dict[int, tuple[int, int, int]]:
     }
 
 
-def stage_work(cfg: Config, iteration: jnp.ndarray | int):
+def stage_work(cfg: Config, iteration: jnp.ndarray | int, xp: Any = jnp):
     """What every stage does at `iteration`: (microbatch ids, repeat ids, valid mask), each [S].
+    `xp=numpy` computes them on the host for a Python `iteration` (no XLA program).
 
     Stage s works on `processed = t - d*s`: microbatch `processed % M`, repeat
     `processed // M`. Slots with `processed` outside `0 .. M*R - 1` are bubbles (valid False);
     their ids are clipped into range so that indexing stays in bounds.
     """
-    stages = jnp.arange(cfg.num_stages)
+    stages = xp.arange(cfg.num_stages)
     processed = iteration - cfg.forwarding_delay * stages
     valid = (processed >= 0) & (processed < cfg.num_microbatches * cfg.num_repeats)
-    processed = jnp.clip(processed, 0, cfg.num_microbatches * cfg.num_repeats - 1)
+    processed = xp.clip(processed, 0, cfg.num_microbatches * cfg.num_repeats - 1)
     return processed % cfg.num_microbatches, processed // cfg.num_microbatches, valid
 
 

@@ -208,7 +208,7 @@ def _abstract(create) -> nnx.State:
 
 def _as_nnx(boxed_params: Any, create) -> nnx.State:
     """A sub-module's Linen params (boxed, host) as the NNX sub-module's Param state."""
-    boxed = jax.tree.map(jnp.asarray, boxed_params)
+    boxed = jax.device_put(boxed_params)  # not jnp.asarray: that compiles a program per shape
     return convert.linen_to_nnx({"params": boxed}, _abstract(create), renames={})
 
 
@@ -225,7 +225,7 @@ def stages(
     boxed = convert.restore_boxes(params, names)
     tokens, targets = batch["inputs"], batch["targets"]
     positions = distributed.replicate(
-        jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape), mesh
+        np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape), mesh
     )
 
     def outer(part: str) -> DrillStage:
@@ -241,7 +241,7 @@ def stages(
                 boxed[_PARAMS_KEY[part]], lambda r: _nnx_outer(compute_cfg, part, r)
             )
         else:
-            part_params = jax.tree.map(jnp.asarray, part_params)
+            part_params = jax.device_put(part_params)
         if part == "embedding":
             return DrillStage(part, lambda _: _captured(part, fn(part_params, tokens)))
         return DrillStage(part, lambda x: _captured(part, fn(part_params, x)))
@@ -305,19 +305,12 @@ def _iterations(framework: str, cfg: Config, mesh, native: Any, positions) -> Dr
         trace, pipe_params = _linen_trace(compute_cfg, mesh), native["params"]["pipeline"]
     else:
         trace, pipe_params = _nnx_trace(compute_cfg, mesh, twins.nnx_mode()), native["pipeline"]
-    slots = []
-    for t in range(cfg.num_iterations):
-        micro, repeat, valid = (np.asarray(a) for a in schedule.stage_work(cfg, t))
-        slots += [
-            (t, s, f"iteration {t}/stage {s} (microbatch {micro[s]}, repeat {repeat[s]})")
-            for s in range(cfg.num_stages)
-            if valid[s]
-        ]
+    slots = _working_slots(compute_cfg)
     where = {name: (t, s) for t, s, name in slots}
 
     def apply(x):
-        history = trace(pipe_params, x, positions)
-        return history, {name: history[t, s] for t, s, name in slots}
+        history, outputs = trace(pipe_params, x, positions)
+        return history, dict(zip(where, outputs, strict=True))
 
     return DrillStage(
         "pipeline iterations",
@@ -367,14 +360,39 @@ def _nnx_after_trace(cfg: Config, mesh, mode):
     return jax.jit(lambda params, x, pos: nnx.merge(graphdef, params)(x, pos, trace=True))
 
 
+def _working_slots(cfg: Config) -> list[tuple[int, int, str]]:
+    """(iteration, stage, name) of every slot that works on a microbatch (bubbles left out)."""
+    slots = []
+    for t in range(cfg.num_iterations):
+        micro, repeat, valid = schedule.stage_work(cfg, t, xp=np)
+        slots += [
+            (t, s, f"iteration {t}/stage {s} (microbatch {micro[s]}, repeat {repeat[s]})")
+            for s in range(cfg.num_stages)
+            if valid[s]
+        ]
+    return slots
+
+
+def _with_slots(cfg: Config, history: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+    """The stage outputs after every iteration `[T, S, ...]` and, picked out of them in the same
+    program, the working slots' outputs."""
+    return history, [history[t, s] for t, s, _ in _working_slots(cfg)]
+
+
 @functools.cache
 def _linen_trace(cfg: Config, mesh):
     pipe = linen_pipeline.Pipeline(cfg, mesh)
-    return jax.jit(lambda params, x, pos: pipe.apply({"params": params}, x, pos, trace=True)[-1])
+    return jax.jit(
+        lambda params, x, pos: _with_slots(
+            cfg, pipe.apply({"params": params}, x, pos, trace=True)[-1]
+        )
+    )
 
 
 @twins.nnx_cache
 def _nnx_trace(cfg: Config, mesh, mode):
     del mode
     graphdef = _nnx_graphdef(lambda rngs: nnx_pipeline.Pipeline(cfg, mesh, rngs=rngs))
-    return jax.jit(lambda params, x, pos: nnx.merge(graphdef, params)(x, pos, trace=True)[-1])
+    return jax.jit(
+        lambda params, x, pos: _with_slots(cfg, nnx.merge(graphdef, params)(x, pos, trace=True)[-1])
+    )

@@ -1,8 +1,10 @@
 """Pipeline efficiency: the matmul work the compiled pipeline performs against the useful work.
 
-XLA's cost analysis counts a while-loop body once, whatever its trip count, so this compiles
-unrolled forms (Python loops) of both the pipeline and the non-pipelined layer stack (and the
-layers after a pipelined subset), and counts their matmul FLOPs in the compiled HLO.
+The pipeline is compiled as the config runs it (its iterations and in-stage layers scanned or
+not), forward only, and its work is read off the compiled HLO with every loop body counted once
+per iteration (`parity.analysis.work.executed`; XLA's own cost analysis counts a body once,
+whatever its trip count). The non-pipelined layer stack (and the layers after a pipelined
+subset) are Python loops, compiled as they are.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from migrate.config.rules import MESH_AXES
 from migrate.linen import decoder as linen_decoder
 from migrate.linen import layers as linen_layers
 from migrate.linen import pipeline as linen_pipeline
-from parity.analysis import hlo
+from parity.analysis import work
 from parity.decoder import twins
 from parity.decoder.cost import with_shardings
 
@@ -37,7 +39,7 @@ class PipelineEfficiency:
 
     pipeline_dot_flops: float  # performed: per-device dots of the compiled pipeline x devices
     reference_dot_flops: float  # useful: every layer once on the full batch (one device)
-    pipeline_flops: float  # everything the pipeline performs (XLA's cost analysis x devices)
+    pipeline_flops: float  # everything the pipeline performs (XLA's FLOP rules x devices)
     reference_flops: float  # everything the reference layers perform
     theoretical_overhead: float  # (M*R + d*(S-1)) / (M*R); `placement.work_overhead` (subset)
 
@@ -64,14 +66,14 @@ _HLO_ONLY = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_pa
 
 
 def _compiled_flops(fn, *args) -> tuple[float, float]:
-    """(all FLOPs, matmul FLOPs) per device of `fn` compiled for `args`."""
-    # Never run: its costs are read from the optimised HLO, which the LLVM backend's effort does
-    # not change (the same FLOPs measured on every shipped config), and the unrolled programs
-    # compile ~25% faster without it.
+    """(all FLOPs, matmul FLOPs) per device that `fn` compiled for `args` performs, its loops
+    run to their trip counts."""
+    # Never run: its work is read from the optimised HLO, which the LLVM backend's effort does
+    # not change (the same FLOPs measured on every shipped config), and it compiles faster
+    # without it.
     compiled = jax.jit(fn).lower(*args).compile(compiler_options=_HLO_ONLY)
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return float(cost["flops"]), hlo.dot_flops(compiled.as_text())
+    performed = work.executed(compiled.as_text())
+    return performed.flops, performed.dot_flops
 
 
 def _one_device_mesh() -> Mesh:
@@ -90,21 +92,17 @@ def pipeline_efficiency(cfg: Config, mesh: Mesh) -> PipelineEfficiency:
 def _pipeline_efficiency(cfg: Config, mesh: Mesh) -> PipelineEfficiency:
     """Matmul work the pipeline performs against the useful work, `(M*R + d*(S-1)) / (M*R)`.
 
-    Both sides are compiled forward-only and unrolled (XLA counts a loop body once). The
-    pipeline (a Python loop over iterations, separate in-stage layers) is compiled on the
-    config's mesh with its weights and input sharded as declared; its per-device matmul FLOPs
-    times the device count are the work it performs, so matmuls replicated over a mesh axis
-    count once per replica. The useful work is the plain decoder layers (a Python loop over the
-    N layers) on the full batch, compiled on one device. With a pipelined subset the layers
-    after the pipeline (a Python loop too) are compiled on the config's mesh on the batch they
-    run on, split over stages as well, and their work is added to the pipeline's: useful work
-    once, with no bubbles (`placement.work_overhead`).
+    Both sides are compiled forward-only; a loop body counts once per iteration. The pipeline,
+    its loops as the config has them, is compiled on the config's mesh with its weights and
+    input sharded as declared; its per-device matmul FLOPs times the device count are the work
+    it performs, so matmuls replicated over a mesh axis count once per replica. The useful
+    work is the plain decoder layers (a Python loop over the N layers) on the full batch,
+    compiled on one device. With a pipelined subset the layers after the pipeline (a Python
+    loop too) are compiled on the config's mesh on the batch they run on, split over stages as
+    well, and their work is added to the pipeline's: useful work once, with no bubbles
+    (`placement.work_overhead`).
     """
-    cfg = cfg.replace(
-        scan_pipeline_iterations=False,
-        scan_layers_per_stage=False,
-        set_remat_policy_on_pipeline_iterations=False,
-    )
+    cfg = cfg.replace(set_remat_policy_on_pipeline_iterations=False)
     variables = twins.linen_abstract_variables(cfg, mesh)
     weights = with_shardings(  # boxed: `pipeline_fsdp_ag_once` reads the logical names
         linen_decoder.param_shardings(variables, mesh, cfg)["params"]["pipeline"],
@@ -152,7 +150,7 @@ def _pipeline_efficiency(cfg: Config, mesh: Mesh) -> PipelineEfficiency:
 
 
 def _after_pipeline_flops(cfg: Config, mesh: Mesh, variables: Any) -> tuple[float, float]:
-    """(all FLOPs, matmul FLOPs) per device of the layers after the pipeline, unrolled, on
+    """(all FLOPs, matmul FLOPs) per device of the layers after the pipeline (a Python loop), on
     the batch split over stages too (`sharding.after_pipeline_config`), weights as declared."""
     after_cfg = sharding.after_pipeline_config(cfg)
     stacked = variables["params"][axes.LAYERS_AFTER_PIPELINE]["layers"]
