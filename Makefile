@@ -35,6 +35,11 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || "$$(.ci/find-python $(PYTHON))" -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet --no-compile -c $(CONSTRAINTS) -e '.[test,plot]'
+	@# Byte-compiled once, in parallel (~15 s): where PYTHONDONTWRITEBYTECODE is set no import
+	@# ever writes a .pyc, and every Python process the suite starts (CLI runs, workers) would
+	@# compile jax, flax and the rest again (~3 s each). Files a package ships that do not
+	@# compile (templates, tests for other Pythons) are skipped.
+	@$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" migrate parity >/dev/null 2>&1 || true
 	@touch $@
 
 install: $(VENV)/.installed

@@ -26,10 +26,15 @@ if [ ! -f "$venv/.installed" ] || [ "$here/requirements.txt" -nt "$venv/.install
     || [ "$(cat "$venv/.installed")" != "$version" ]; then
   [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
   "$venv/bin/python" -m pip install --quiet --upgrade pip
-  # --no-compile: no byte-compiling of every installed module (about 60 of the 90 s an
-  # environment took); the modules MaxText imports compile on their first import.
+  # --no-compile: pip byte-compiles module by module (about 60 of the 90 s an environment
+  # took); compileall does it in parallel (~25 s). Compiled once here, because where
+  # PYTHONDONTWRITEBYTECODE is set no import writes a .pyc, and every MaxText worker would
+  # compile its imports again (13 s -> 4.5 s per worker). Files that do not compile are skipped.
   "$venv/bin/python" -m pip install --quiet --no-compile --no-deps -r "$here/requirements.txt"
   "$venv/bin/python" -m pip install --quiet --no-compile --no-deps "maxtext==$version"
+  "$venv/bin/python" -m compileall -q -j 0 \
+    "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+    >/dev/null 2>&1 || true
   echo "$version" > "$venv/.installed"
 fi
 for module in "${modules[@]}"; do

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import math
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -166,9 +167,15 @@ def _type_name(tp: Any) -> str:
     )
 
 
+@functools.cache
+def _field_types() -> dict[str, Any]:
+    # Resolving the annotations takes ~1 ms; every Config made or replaced coerces every field.
+    return typing.get_type_hints(Config)
+
+
 def _coerce(key: str, value: Any) -> Any:
     """`value` as the type that field `key` declares, or a ConfigError naming both."""
-    field_type = typing.get_type_hints(Config)[key]
+    field_type = _field_types()[key]
     if key == "logical_axis_rules":
         return _coerce_rules(value)
     if field_type is bool:

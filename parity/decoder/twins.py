@@ -158,7 +158,7 @@ def linen_train_shardings(cfg: Config, mesh: Mesh) -> tuple[Any, Any]:
 def linen_initial_variables(cfg: Config, mesh: Mesh, use_pipeline: bool | None = None):
     """Boxed variables from the Linen decoder's own init, placed on the mesh (cached)."""
     cfg = schedule_free(cfg)
-    tokens = jnp.zeros((cfg.global_batch_size, cfg.max_target_length), jnp.int32)
+    tokens = np.zeros((cfg.global_batch_size, cfg.max_target_length), np.int32)
     model = linen_decoder.Decoder(cfg, mesh, use_pipeline=use_pipeline)
     return linen_decoder.init_variables(model, tokens)
 

@@ -360,7 +360,7 @@ def compile_for_real(lowered: jax.stages.Lowered) -> Compiled:
     return compiled
 
 
-def use_compilation_cache(directory: str, min_compile_seconds: float = 0.5) -> str:
+def use_compilation_cache(directory: str, min_compile_seconds: float = 0.0) -> str:
     """Compile through JAX's persistent cache in `directory`; with none given, through a
     temporary one of this run's, deleted when the process exits (a crash that skips the
     interpreter's exit leaves it in the temp folder): identical programs of a run (the twins'
