@@ -164,8 +164,19 @@ def linen_initial_variables(cfg: Config, mesh: Mesh, use_pipeline: bool | None =
 
 
 def linen_abstract_variables(cfg: Config, mesh: Mesh, use_pipeline: bool | None = None):
+    """The Linen decoder's boxed variables, abstract (cached: a trace of its init; each call
+    gets its own containers, the boxes and shapes shared)."""
+    return jax.tree.map(
+        lambda leaf: leaf,
+        _linen_abstract_variables(schedule_free(cfg), mesh, use_pipeline),
+        is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned),
+    )
+
+
+@functools.cache
+def _linen_abstract_variables(cfg: Config, mesh: Mesh, use_pipeline: bool | None):
     tokens = jax.ShapeDtypeStruct((cfg.global_batch_size, cfg.max_target_length), jnp.int32)
-    model = linen_decoder.Decoder(schedule_free(cfg), mesh, use_pipeline=use_pipeline)
+    model = linen_decoder.Decoder(cfg, mesh, use_pipeline=use_pipeline)
     return jax.eval_shape(model.init, jax.random.key(0), tokens)
 
 
