@@ -66,6 +66,11 @@ LOGITS_BATCH_LENGTH_EMBED = (
     "activation_length",
     "activation_embed",
 )
+# The logits head's input: `embed` whole (gathered over tensor), so that the head's kernel is
+# used as stored (`vocab` over tensor): with `embed` split over tensor on both operands XLA's
+# partitioner replicates the kernel instead (docs/performance.md, "No involuntary
+# rematerialisation").
+LOGITS_HEAD_INPUT = ("activation_embed_and_logits_batch", "activation_length", None)
 LOGITS_BATCH_LENGTH_VOCAB = (
     "activation_embed_and_logits_batch",
     "activation_length",

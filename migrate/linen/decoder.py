@@ -64,6 +64,7 @@ class Decoder(nn.Module):
                 layer, x, positions, cfg.base_num_decoder_layers, axes.REFERENCE_LAYERS
             )
         x = RMSNorm(cfg, name="decoder_norm")(x)
+        x = nn.with_logical_constraint(x, axes.LOGITS_HEAD_INPUT, rules=rules, mesh=self.mesh)
         head = (
             token_embedder.attend
             if cfg.logits_via_embedding

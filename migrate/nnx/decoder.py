@@ -79,6 +79,7 @@ class Decoder(nnx.Module):
         else:
             x, aux = scan_layers(self.layers, x, positions, numerics.remat_policy(cfg))
         x = self.decoder_norm(x)
+        x = sharding.constrain(x, axes.LOGITS_HEAD_INPUT, self.mesh, rules)
         head = self.token_embedder.attend if cfg.logits_via_embedding else self.logits_dense
         logits = head(x)
         logits = logits.astype(jnp.float32)

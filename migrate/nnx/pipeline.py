@@ -302,7 +302,12 @@ class Pipeline(nnx.Module):
                 cfg.num_iterations,
                 cfg.scan_pipeline_iterations,
             )
-        # Stage 0's row holds the finished outputs: broadcast to every stage once, after the loop.
-        outputs = schedule.merge_microbatches(loop_state["store"][0])
+        # Stage 0's row holds the finished outputs: broadcast to every stage once, after the loop
+        # (pinned: left to XLA, the slice of the stage-split store reshards to the logits' batch
+        # split by replicating the whole store, "No involuntary rematerialisation").
+        finished = sharding.constrain(
+            loop_state["store"][0], axes.MICROBATCH_BATCH_LENGTH_EMBED, mesh, rules
+        )
+        outputs = schedule.merge_microbatches(finished)
         aux = jnp.sum(loop_state["aux"]) / num_micro
         return (outputs, aux, history) if trace else (outputs, aux)

@@ -140,7 +140,7 @@ def compile_cost(pair: DecoderPair) -> CheckResult:
                 "passed": a == b,
             }
         )
-    records += cost.remat_records(linen_cost, nnx_cost, cfg.model_name)
+    records += cost.remat_records(linen_cost, nnx_cost)
     outside, outside_summary = outside_loop_records(dict(mesh.shape), linen_cost, nnx_cost)
     records += outside
     slice_records, slice_summary = slices.records(cfg, mesh, linen_cost, nnx_cost)
