@@ -262,3 +262,13 @@ def test_7b_compile_check_runs_without_allocating_weights(capsys):
     for twin in ("linen", "nnx"):
         assert f"{twin} args {state} + temp " in out, out
         assert f"- aliased {state} = peak " in out, out
+
+
+def test_executed_work_counts_a_called_computation_once():
+    """Unoptimised HLO calls a nested jit through `call(..., to_apply=...)`: its matmul counts
+    once (a reducer's `to_apply` counts per reduced element instead)."""
+    inner = jax.jit(lambda a, b: a @ b)
+    lowered = jax.jit(lambda a, b: inner(a, b).sum()).lower(jnp.ones((8, 16)), jnp.ones((16, 4)))
+    text = lowered.as_text(dialect="hlo")
+    assert " call(" in text
+    assert work.dot_flops(text) == 2 * 8 * 4 * 16

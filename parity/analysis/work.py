@@ -44,6 +44,16 @@ ELEMENTWISE = frozenset(
 )
 
 
+# Instructions whose `to_apply` is a reducer (XLA counts it per reduced element; a `call`'s
+# `to_apply` runs once). The collectives' and scatters' reducers are not counted.
+_REDUCING = frozenset(
+    (
+        *("reduce", "reduce-window", "all-reduce", "all-reduce-start", "reduce-scatter"),
+        *("scatter", "select-and-scatter", "sort"),
+    )
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Work:
     """FLOPs of one execution of a program, per device for a compiled SPMD module."""
@@ -106,7 +116,7 @@ def executed(hlo_text: str, loops_once: bool = False) -> Work:
             trips = float(found.group(1))
         for kind, callee in _CALLS_ONE.findall(line):
             times = {"body": trips, "condition": trips + (not loops_once)}.get(kind, 1.0)
-            if kind == "to_apply":  # a reducer: applied once per reduced element
+            if kind == "to_apply" and opcode in _REDUCING:  # once per reduced element
                 times = _reductions(opcode, line, out, operands)
             callees[current].append((callee, times))
         for listed in _CALLED_LIST.findall(line):
@@ -155,7 +165,7 @@ def _reductions(opcode: str, line: str, out: list[int] | None, operands: list) -
         window = re.search(r"window=\{size=([0-9x]+)", line)
         size = math.prod(int(d) for d in window.group(1).split("x")) if window else 1
         return float(_elements(out if out is not None else _first_array(line)) * (size - 1))
-    return 0.0  # all-reduce counts its output elements itself; map, scatter: none in our programs
+    return 0.0  # an all-reduce counts its output elements itself
 
 
 def dot_flops(hlo_text: str) -> float:
