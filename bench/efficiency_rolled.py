@@ -61,6 +61,9 @@ def main() -> None:
         cfg = load_config(CONFIG_DIR / f"{name}.yml")
         if not cfg.using_pipeline:
             continue
+        if not (cfg.scan_pipeline_iterations or cfg.scan_layers_per_stage):
+            print(f"| {name} | (no loop to roll: the config runs the pipeline unrolled) |")
+            continue
         mesh = sharding.make_mesh(cfg)
         rolled, rolled_s = _timed(efficiency.pipeline_efficiency, cfg, mesh)
         unrolled_cfg = twins.compute_config(cfg).replace(

@@ -4,6 +4,7 @@ schedule's theory, and the matmul FLOPs read off compiled HLO."""
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -272,3 +273,18 @@ def test_executed_work_counts_a_called_computation_once():
     text = lowered.as_text(dialect="hlo")
     assert " call(" in text
     assert work.dot_flops(text) == 2 * 8 * 4 * 16
+
+
+def test_executed_work_refuses_text_it_cannot_read_whole():
+    """A matmul line the parser cannot read (here a dynamic dimension), or a call to a
+    computation the text lacks, raises: either would otherwise count as no work."""
+    text = jax.jit(jnp.matmul).lower(jnp.ones((8, 16)), jnp.ones((16, 4))).compile().as_text()
+    assert work.dot_flops(text) == 2 * 8 * 4 * 16
+    dot_line = next(line for line in text.splitlines() if " dot(" in line)
+    unreadable = text.replace(dot_line, dot_line.replace("f32[8,4]", "f32[<=8,4]", 1))
+    with pytest.raises(ValueError, match="matmuls"):
+        work.executed(unreadable)
+    callee = re.search(r"calls=%?([\w.\-]+)", text)
+    if callee:  # XLA:CPU wraps the dot in a fusion
+        with pytest.raises(ValueError, match="not in the HLO text"):
+            work.executed(text.replace(f"calls={callee[0][6:]}", "calls=%missing", 1))

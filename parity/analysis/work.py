@@ -28,6 +28,7 @@ _DEFINITION = re.compile(
 _OPERAND = re.compile(r"(?:[a-z0-9]+\[([0-9,]*)\]\S*\s+)?%?([\w.\-]+)(?:,\s*|$)")
 _CALLS_ONE = re.compile(r"\b(calls|to_apply|body|condition)=%?([\w.\-]+)")
 _CALLED_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_MATMUL = re.compile(r"=.*\s(?:dot|convolution)\(")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _FIRST_ARRAY = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\(?[a-z0-9]+\[([0-9,]*)\]")
 _RESULT_TYPE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\(.*?\)|\S+)\s")
@@ -90,7 +91,9 @@ def executed(hlo_text: str, loops_once: bool = False) -> Work:
     callees: dict[str, list[tuple[str, float]]] = {}  # computation -> (callee, times called)
     shapes: dict[str, list[int]] = {}
     entry = current = None
+    matmuls_written = matmuls_read = 0
     for line in hlo_text.splitlines():
+        matmuls_written += bool(_MATMUL.search(line))
         header = _COMPUTATION.match(line)
         if header:
             current = header.group(2)
@@ -122,6 +125,7 @@ def executed(hlo_text: str, loops_once: bool = False) -> Work:
         for listed in _CALLED_LIST.findall(line):
             callees[current] += [(c.strip().lstrip("%"), 1.0) for c in listed.split(",") if c]
         if opcode in ("dot", "convolution"):
+            matmuls_read += 1
             matmul = _matmul_flops(opcode, line, out, operands)
             own[current][0] += matmul
             own[current][1] += matmul
@@ -130,11 +134,15 @@ def executed(hlo_text: str, loops_once: bool = False) -> Work:
         elif opcode in ("all-reduce", "all-reduce-start"):  # every array of a tuple result
             own[current][0] += sum(_elements(_dims(d)) for d in _result_arrays(line))
 
+    if matmuls_read != matmuls_written:  # a matmul this parser missed would count as none
+        raise ValueError(f"read {matmuls_read} of the {matmuls_written} matmuls in the HLO text")
     totals: dict[str, tuple[float, float]] = {}
 
     def total(computation: str) -> tuple[float, float]:
+        if computation not in own:
+            raise ValueError(f"computation {computation!r} is called but not in the HLO text")
         if computation not in totals:
-            flops, dots = own.get(computation, (0.0, 0.0))
+            flops, dots = own[computation]
             for callee, times in callees.get(computation, ()):
                 callee_flops, callee_dots = total(callee)
                 flops, dots = flops + times * callee_flops, dots + times * callee_dots
