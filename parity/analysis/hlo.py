@@ -57,7 +57,7 @@ _CALLED = re.compile(
     r"\b(?:body|condition|to_apply|calls|branch_computations|called_computations|"
     r"true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)"
 )
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _EXPLICIT = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
@@ -235,7 +235,7 @@ def loops(hlo_text: str) -> list[Loop]:
 
     def loop_of(line: str, body: str) -> Loop:
         op_name = m.group(1) if (m := _OP_NAME.search(line)) else ""
-        trip = int(m.group(1)) if (m := _TRIP_COUNT.search(line)) else None
+        trip = int(m.group(1)) if (m := TRIP_COUNT.search(line)) else None
         direction = "backward" if "transpose(" in op_name else "forward"
         inner = tuple(loops_under(body, set()))
         return Loop(direction, trip, tuple(collectives_under(body, set())), inner)

@@ -16,6 +16,8 @@ import dataclasses
 import math
 import re
 
+from parity.analysis.hlo import TRIP_COUNT
+
 # A computation's header: `%name (params) -> type {`, `ENTRY %name (...) -> ... {`, or
 # (unoptimised text) `ENTRY main.1 {`.
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*->.*)?\{\s*$")
@@ -29,8 +31,6 @@ _OPERAND = re.compile(r"(?:[a-z0-9]+\[([0-9,]*)\]\S*\s+)?%?([\w.\-]+)(?:,\s*|$)"
 _CALLS_ONE = re.compile(r"\b(calls|to_apply|body|condition)=%?([\w.\-]+)")
 _CALLED_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _MATMUL = re.compile(r"=.*\s(?:dot|convolution)\(")
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_FIRST_ARRAY = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\(?[a-z0-9]+\[([0-9,]*)\]")
 _RESULT_TYPE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\(.*?\)|\S+)\s")
 
 # One FLOP per output element (XLA's `HandleElementwiseOp`, transcendentals excluded).
@@ -113,7 +113,7 @@ def executed(hlo_text: str, loops_once: bool = False) -> Work:
         ]
         trips = 1.0
         if opcode == "while" and not loops_once:
-            found = _TRIP_COUNT.search(line)
+            found = TRIP_COUNT.search(line)
             if found is None:
                 raise ValueError(f"a while loop without a known trip count: {line.strip()[:200]}")
             trips = float(found.group(1))
@@ -155,8 +155,8 @@ def executed(hlo_text: str, loops_once: bool = False) -> Work:
 
 
 def _first_array(line: str) -> list[int] | None:
-    found = _FIRST_ARRAY.match(line)
-    return _dims(found.group(1)) if found else None
+    arrays = _result_arrays(line)
+    return _dims(arrays[0]) if arrays else None
 
 
 def _result_arrays(line: str) -> list[str]:
