@@ -32,6 +32,7 @@ from migrate.errors import (
 
 _deferring = 0  # > 0 inside `signals_deferred()`
 _received: list[int] = []  # signals not yet acted on (deferred, or their exception swallowed)
+_quiet_exit = False  # the error line is printed and not --verbose: what the exit logs is noise
 
 
 def _raise_interrupted(signum: int, frame) -> None:
@@ -123,6 +124,7 @@ def guarded(program: str, body: Callable[[], int], verbose: Callable[[], bool]) 
     one-line message (and the traceback when `verbose()`), never a bare traceback. After that
     line, what abandoned library objects print as they are collected (an Orbax event loop, a
     save never awaited) is dropped too, unless `verbose()`."""
+    global _quiet_exit
     try:
         with signals_raise():
             status = body()
@@ -145,6 +147,7 @@ def guarded(program: str, body: Callable[[], int], verbose: Callable[[], bool]) 
         if loud:
             traceback.print_exc()
         else:
+            _quiet_exit = True
             sys.unraisablehook = lambda unraisable: None
             warnings.simplefilter("ignore")
         return status
@@ -180,10 +183,16 @@ def exit_now(status: int, distributed: bool = False, program: str = "") -> None:
 
     The outcome is decided here (a checkpoint in place, a report written): a SIGINT or SIGTERM
     during the interpreter's shutdown (JAX clears its caches then) ends it at once with that
-    status and one line, instead of a `KeyboardInterrupt` traceback from an exit hook."""
+    status and one line, instead of a `KeyboardInterrupt` traceback from an exit hook. After an
+    error line printed without --verbose, nothing more is logged."""
     if program and threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, _interrupted_while_exiting(program, status))
+    if _quiet_exit:
+        # What the libraries log as their abandoned objects are collected at exit restates the
+        # error line once per object (measured: an Orbax save on a full disk, one asyncio "Task
+        # exception was never retrieved" per failed write, 68 KB of them on a slow run).
+        logging.disable(logging.CRITICAL)
     prompt = status == EXIT_WORKER or status >= 128 or (status == EXIT_INTERNAL and not distributed)
     if prompt and "jax" in sys.modules:
         _flush()
