@@ -1,7 +1,12 @@
-"""The optimizer both twins train with: optax AdamW after global-norm gradient clipping."""
+"""The optimizer both twins train with: optax AdamW after global-norm gradient clipping, and
+where its state lives."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import jax
 import optax
 
 from migrate.config.contract import Config
@@ -19,3 +24,33 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     if cfg.gradient_clipping_threshold > 0:
         return optax.chain(optax.clip_by_global_norm(cfg.gradient_clipping_threshold), adamw)
     return adamw
+
+
+def state_shardings(
+    tx: optax.GradientTransformation,
+    abstract_params: Any,
+    param_shardings: Any,
+    replicated: jax.sharding.Sharding,
+    is_leaf: Callable[[Any], bool],
+) -> Any:
+    """The shardings of `tx`'s state: each moment sharded like its parameter, everything else
+    (step counts) `replicated`."""
+    mapped = []
+
+    def under_a_trace() -> tuple[()]:
+        # `tree_map_params` runs `tx.init` on placeholders: run eagerly, its step count would be
+        # a program compiled for one scalar.
+        mapped.append(
+            optax.tree_map_params(
+                tx,
+                lambda _, param_sharding: param_sharding,
+                jax.eval_shape(tx.init, abstract_params),
+                param_shardings,
+                transform_non_params=lambda _: replicated,
+                is_leaf=is_leaf,
+            )
+        )
+        return ()
+
+    jax.eval_shape(under_a_trace)
+    return mapped[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
@@ -136,7 +137,12 @@ def param_shardings(abstract_variables, mesh: Mesh, cfg: Config):
 def init_variables(model: Decoder, tokens: jax.Array, seed: int | None = None):
     """Boxed variables from `model.init`, each array placed on the mesh per its logical names."""
     cfg = model.config
-    rng = jax.random.key(cfg.seed if seed is None else seed, impl=cfg.jax_default_prng_impl)
-    abstract = jax.eval_shape(model.init, rng, tokens)
+    seed = np.uint32(cfg.seed if seed is None else seed)
+
+    def init(seed: jax.Array, tokens: jax.Array):
+        # The key is made inside the program: made outside, it is an eager op of its own.
+        return model.init(jax.random.key(seed, impl=cfg.jax_default_prng_impl), tokens)
+
+    abstract = jax.eval_shape(init, seed, tokens)
     shardings = param_shardings(abstract, model.mesh, cfg)
-    return jax.jit(model.init, out_shardings=shardings)(rng, tokens)
+    return jax.jit(init, out_shardings=shardings)(seed, tokens)

@@ -17,6 +17,7 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from migrate.common import optim
 from migrate.config.contract import Config
 from migrate.linen.decoder import Decoder, training_loss
 from migrate.linen.decoder import param_shardings as param_shardings_of
@@ -76,13 +77,12 @@ def train_state_shardings(
     """
     param_shardings = param_shardings_of(abstract_params, mesh, cfg)
     replicated = NamedSharding(mesh, PartitionSpec())
-    opt_state_shardings = optax.tree_map_params(
+    opt_state_shardings = optim.state_shardings(
         tx,
-        lambda _, param_sharding: param_sharding,
-        jax.eval_shape(tx.init, abstract_params),
+        abstract_params,
         param_shardings,
-        transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned),
+        replicated,
+        lambda x: isinstance(x, nn.LogicallyPartitioned),
     )
     return param_shardings, opt_state_shardings
 

@@ -9,6 +9,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -145,15 +146,18 @@ def init_model(
     exists, leaving the stage axis replicated; so build without it and place every array by its
     full `out_sharding` in one jitted init.
     """
-    key = jax.random.key(cfg.seed if seed is None else seed, impl=cfg.jax_default_prng_impl)
+    seed = np.uint32(cfg.seed if seed is None else seed)
     build = functools.partial(Decoder, cfg, mesh, use_pipeline, bubble_fill)
-    with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(lambda: build(rngs=nnx.Rngs(key)))
-    graphdef, abstract_state = nnx.split(abstract)
+
+    def init(seed: jax.Array) -> Decoder:
+        # The key is made inside the program: made outside, it is an eager op of its own.
+        with nnx.use_eager_sharding(False):
+            return build(rngs=nnx.Rngs(jax.random.key(seed, impl=cfg.jax_default_prng_impl)))
+
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(init, seed))
 
     @functools.partial(jax.jit, out_shardings=param_shardings(abstract_state, mesh, cfg))
-    def create(key):
-        with nnx.use_eager_sharding(False):
-            return nnx.split(build(rngs=nnx.Rngs(key)))[1]
+    def create(seed):
+        return nnx.split(init(seed))[1]
 
-    return nnx.merge(graphdef, create(key))
+    return nnx.merge(graphdef, create(seed))

@@ -19,6 +19,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from migrate.common import optim
 from migrate.config.contract import Config
 from migrate.nnx.decoder import param_shardings as param_shardings_of
 from migrate.nnx.decoder import training_loss
@@ -78,13 +79,8 @@ def train_state_shardings(
     """
     param_shardings = param_shardings_of(abstract_params, mesh, cfg)
     replicated = NamedSharding(mesh, PartitionSpec())
-    opt_state_shardings = optax.tree_map_params(
-        tx,
-        lambda _, param_sharding: param_sharding,
-        jax.eval_shape(tx.init, abstract_params),
-        param_shardings,
-        transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    opt_state_shardings = optim.state_shardings(
+        tx, abstract_params, param_shardings, replicated, lambda x: isinstance(x, nnx.Variable)
     )
     return param_shardings, opt_state_shardings
 

@@ -7,11 +7,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from migrate.common import axes, sharding
 from migrate.config.contract import Config
-from parity.multiprocess import distributed
 
 SPLIT_SALT = {"train": 1_000_003, "eval": 2_000_003}
 
@@ -25,22 +24,26 @@ def synthetic_batch(
     """
     shape = (cfg.global_batch_size, cfg.max_target_length + 1)
     seed = np.int32(cfg.seed + SPLIT_SALT[split])
-    inputs, targets = _tokens(seed, np.int32(step), shape, cfg.vocab_size)
     batch_sharding = sharding.named_sharding(
         axes.BATCH_LENGTH_EMBED[:2], mesh, cfg.logical_axis_rules
     )
-    return {
-        "inputs": distributed.place(inputs, batch_sharding),
-        "targets": distributed.place(targets, batch_sharding),
-    }
+    inputs, targets = _tokens(seed, np.int32(step), shape, cfg.vocab_size, batch_sharding)
+    return {"inputs": inputs, "targets": targets}
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
 def _tokens(
-    seed: jax.Array, step: jax.Array, shape: tuple[int, int], vocab_size: int
+    seed: jax.Array,
+    step: jax.Array,
+    shape: tuple[int, int],
+    vocab_size: int,
+    batch_sharding: NamedSharding,
 ) -> tuple[jax.Array, jax.Array]:
     """(inputs, targets) of one batch, in one program for every seed and step (the key
-    derivation and the slicing compiled once, not op by op)."""
+    derivation and the slicing compiled once, not op by op), made where they live: placed
+    afterwards, they would be resharded by a program of their own."""
     key = jax.random.fold_in(jax.random.key(seed), step)
     tokens = jax.random.randint(key, shape, 0, vocab_size, dtype=jnp.int32)
-    return tokens[:, :-1], tokens[:, 1:]
+    return tuple(
+        jax.lax.with_sharding_constraint(x, batch_sharding) for x in (tokens[:, :-1], tokens[:, 1:])
+    )

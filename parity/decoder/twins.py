@@ -177,7 +177,7 @@ def linen_abstract_variables(cfg: Config, mesh: Mesh, use_pipeline: bool | None 
 def _linen_abstract_variables(cfg: Config, mesh: Mesh, use_pipeline: bool | None):
     tokens = jax.ShapeDtypeStruct((cfg.global_batch_size, cfg.max_target_length), jnp.int32)
     model = linen_decoder.Decoder(cfg, mesh, use_pipeline=use_pipeline)
-    return jax.eval_shape(model.init, jax.random.key(0), tokens)
+    return jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)  # key traced too
 
 
 def place_linen(variables, cfg: Config, mesh: Mesh, use_pipeline: bool | None = None):
