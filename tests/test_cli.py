@@ -111,6 +111,17 @@ def test_golden_diff_lists_per_key_differences():
 
 
 TWIN_CHECKS = ("roundtrip", "forward", "grads", "train", "layers")
+# Every program a run compiles is one the gate or the twins jit (the twins' init, forward and
+# backward, train and eval steps, the drill-down's stages, the efficiency program). An eager op
+# is a program too, named after its primitive (`convert_element_type`, `_multi_slice`,
+# `broadcast_in_dim`, ...): glue that belongs inside one of these.
+GATE_PROGRAMS = {
+    f"jit({name})"
+    for name in (
+        "init", "create", "step", "init_fn", "train_step", "<lambda>", "apply",
+        "cross_entropy_loss", "stack", "after", "_as_float32",
+    )
+}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -151,6 +162,7 @@ def test_every_check_passes_on_every_shipped_tiny_config(name, tmp_path, capsys)
     assert data["config"] == name
     checks = {c["name"]: c for c in data["checks"]}
     assert list(checks) == [*cli.CHECK_NAMES, "golden"]
+    assert set(data["cost"]["programs"]) <= GATE_PROGRAMS, data["cost"]["programs"]
     for check in data["checks"]:
         assert set(check["worst"]) == {"metric", "value", "tolerance", "where"}
         assert check["worst"]["value"] <= check["worst"]["tolerance"]

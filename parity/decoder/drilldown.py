@@ -206,9 +206,10 @@ def _abstract(create) -> nnx.State:
         return nnx.split(nnx.eval_shape(lambda: create(nnx.Rngs(0))))[1]
 
 
-def _as_nnx(boxed_params: Any, create) -> nnx.State:
-    """A sub-module's Linen params (boxed, host) as the NNX sub-module's Param state."""
-    boxed = jax.device_put(boxed_params)  # not jnp.asarray: that compiles a program per shape
+def _as_nnx(boxed_params: Any, create, mesh) -> nnx.State:
+    """A sub-module's Linen params (boxed, host) as the NNX sub-module's Param state, replicated
+    over `mesh` (`jnp.asarray` would compile a program per shape)."""
+    boxed = distributed.replicate(boxed_params, mesh)
     return convert.linen_to_nnx({"params": boxed}, _abstract(create), renames={})
 
 
@@ -238,10 +239,10 @@ def stages(
         part_params = params[_PARAMS_KEY[part]]
         if framework == "nnx":
             part_params = _as_nnx(
-                boxed[_PARAMS_KEY[part]], lambda r: _nnx_outer(compute_cfg, part, r)
+                boxed[_PARAMS_KEY[part]], lambda r: _nnx_outer(compute_cfg, part, r), mesh
             )
         else:
-            part_params = jax.device_put(part_params)
+            part_params = distributed.replicate(part_params, mesh)
         if part == "embedding":
             return DrillStage(part, lambda _: _captured(part, fn(part_params, tokens)))
         return DrillStage(part, lambda x: _captured(part, fn(part_params, x)))
@@ -256,7 +257,7 @@ def stages(
         if framework == "nnx":
             layer_boxed = convert.restore_boxes(layer_params, layer_names)
             layer_params = _as_nnx(
-                layer_boxed, lambda r: nnx_layers.DecoderLayer(compute_cfg, mesh, rngs=r)
+                layer_boxed, lambda r: nnx_layers.DecoderLayer(compute_cfg, mesh, rngs=r), mesh
             )
         layer_params = distributed.replicate(layer_params, mesh)
         prefix = f"layer {index}/"
@@ -287,12 +288,17 @@ def _captured(name: str, value: Any) -> tuple[Any, dict[str, Any]]:
     return value, {name: value}
 
 
+@jax.jit
+def _as_float32(x: jax.Array) -> jax.Array:
+    return x.astype(jnp.float32)  # eagerly, a program named after the primitive, unaccounted
+
+
 def _cast_after(stage: DrillStage) -> DrillStage:
     """The logits head's stage, its output cast to float32 for the loss (as the decoder does)."""
 
     def apply(x):
         out, captured = stage.apply(x)
-        return jnp.asarray(out, jnp.float32), captured
+        return (out if out.dtype == jnp.float32 else _as_float32(out)), captured
 
     return DrillStage(stage.name, apply)
 
@@ -336,7 +342,8 @@ def _after_pipeline(framework: str, cfg: Config, mesh, native: Any, positions) -
 
     def apply(x):
         out, _, outputs = trace(after, distributed.replicate(x, mesh), positions)
-        return out, {name: outputs[p.row_after_pipeline] for name, p in names.items()}
+        rows = distributed.to_host(outputs)  # indexed eagerly on the device: a program per row
+        return out, {name: rows[p.row_after_pipeline] for name, p in names.items()}
 
     return DrillStage(
         "layers after the pipeline",

@@ -156,18 +156,18 @@ def place(tree: Any, shardings: Any) -> Any:
 
 
 def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
-    """With several processes, host or process-local leaves -> global arrays replicated over
-    `mesh` (global arrays stay as they are); with one process, `tree` unchanged (JAX places
-    local values itself there)."""
-    if jax.process_count() == 1:
-        return tree
+    """Host leaves -> arrays replicated over `mesh`, placed shard by shard (left to `jit`, a
+    host value split over some mesh axes and replicated over others is placed by a program of
+    its own). With several processes, process-local arrays too; global arrays stay as they are,
+    and so do arrays with one process (JAX moves them itself)."""
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return jax.tree.map(
-        lambda x: (
-            x if isinstance(x, jax.Array) and not x.is_fully_addressable else _put(x, replicated)
-        ),
-        tree,
-    )
+
+    def put(x: Any) -> Any:
+        if isinstance(x, jax.Array) and (jax.process_count() == 1 or not x.is_fully_addressable):
+            return x
+        return _put(x, replicated)
+
+    return jax.tree.map(put, tree)
 
 
 def worst_status(status: int) -> int:
