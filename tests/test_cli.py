@@ -114,7 +114,9 @@ TWIN_CHECKS = ("roundtrip", "forward", "grads", "train", "layers")
 # Every program a run compiles is one the gate or the twins jit (the twins' init, forward and
 # backward, train and eval steps, the drill-down's stages, the efficiency program). An eager op
 # is a program too, named after its primitive (`convert_element_type`, `_multi_slice`,
-# `broadcast_in_dim`, ...): glue that belongs inside one of these.
+# `broadcast_in_dim`, ...): glue that belongs inside one of these. The configs run in a
+# subprocess (the default, the 16-device mesh) see every program; in-process ones only those
+# new to this pytest process.
 GATE_PROGRAMS = {
     f"jit({name})"
     for name in (

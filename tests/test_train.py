@@ -7,6 +7,7 @@ import functools
 
 import flax.linen as nn
 import jax
+import numpy as np
 import pytest
 from conftest import tiny
 
@@ -171,3 +172,14 @@ def test_train_steps_trace_once_for_every_step_both_evaluations_and_the_compile_
     compiled = decoder_checks.compile_cost(pair)
     assert trained.passed and compiled.passed, (trained.where, compiled.where)
     assert len(trained.steps) == 3
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg", "unsafe_rbg"])
+def test_the_init_key_made_inside_the_program_is_the_key_made_eagerly(impl):
+    """Both twins make their PRNG key inside the init program from a uint32 seed (an eager key
+    is a program of its own): the weights of every seed in the config's range (0..2^32-1) must
+    stay those of `jax.random.key(seed)`, or checkpoints and seeds would change meaning."""
+    traced = jax.jit(lambda seed: jax.random.key_data(jax.random.key(seed, impl=impl)))
+    for seed in (0, 1, 12345, 2**31 - 1, 2**31, 2**32 - 1):
+        eager = jax.random.key_data(jax.random.key(seed, impl=impl))
+        assert np.array_equal(traced(np.uint32(seed)), eager), seed

@@ -276,7 +276,7 @@ def _nnx_mode() -> tuple[bool, bool]:
 def _abstract_linen(cfg: Config, mesh: Mesh, use_pipeline: bool) -> dict:
     model = linen_decoder.Decoder(cfg, mesh, use_pipeline=use_pipeline)
     tokens = jax.ShapeDtypeStruct((cfg.global_batch_size, cfg.max_target_length), jnp.int32)
-    return jax.eval_shape(model.init, jax.random.key(0), tokens)
+    return jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)  # key traced too
 
 
 @functools.cache

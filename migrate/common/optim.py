@@ -35,7 +35,7 @@ def state_shardings(
 ) -> Any:
     """The shardings of `tx`'s state: each moment sharded like its parameter, everything else
     (step counts) `replicated`."""
-    mapped = []
+    mapped = []  # `eval_shape` returns arrays only: the shardings come out by this list
 
     def under_a_trace() -> tuple[()]:
         # `tree_map_params` runs `tx.init` on placeholders: run eagerly, its step count would be

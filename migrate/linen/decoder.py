@@ -137,12 +137,12 @@ def param_shardings(abstract_variables, mesh: Mesh, cfg: Config):
 def init_variables(model: Decoder, tokens: jax.Array, seed: int | None = None):
     """Boxed variables from `model.init`, each array placed on the mesh per its logical names."""
     cfg = model.config
-    seed = np.uint32(cfg.seed if seed is None else seed)
+    seed_arg = np.uint32(cfg.seed if seed is None else seed)
 
-    def init(seed: jax.Array, tokens: jax.Array):
+    def init(seed: jax.Array, tokens: jax.Array) -> dict:
         # The key is made inside the program: made outside, it is an eager op of its own.
         return model.init(jax.random.key(seed, impl=cfg.jax_default_prng_impl), tokens)
 
-    abstract = jax.eval_shape(init, seed, tokens)
+    abstract = jax.eval_shape(init, seed_arg, tokens)
     shardings = param_shardings(abstract, model.mesh, cfg)
-    return jax.jit(init, out_shardings=shardings)(seed, tokens)
+    return jax.jit(init, out_shardings=shardings)(seed_arg, tokens)

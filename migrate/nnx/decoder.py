@@ -146,7 +146,7 @@ def init_model(
     exists, leaving the stage axis replicated; so build without it and place every array by its
     full `out_sharding` in one jitted init.
     """
-    seed = np.uint32(cfg.seed if seed is None else seed)
+    seed_arg = np.uint32(cfg.seed if seed is None else seed)
     build = functools.partial(Decoder, cfg, mesh, use_pipeline, bubble_fill)
 
     def init(seed: jax.Array) -> Decoder:
@@ -154,10 +154,10 @@ def init_model(
         with nnx.use_eager_sharding(False):
             return build(rngs=nnx.Rngs(jax.random.key(seed, impl=cfg.jax_default_prng_impl)))
 
-    graphdef, abstract_state = nnx.split(nnx.eval_shape(init, seed))
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(init, seed_arg))
 
     @functools.partial(jax.jit, out_shardings=param_shardings(abstract_state, mesh, cfg))
-    def create(seed):
+    def create(seed: jax.Array) -> nnx.State:
         return nnx.split(init(seed))[1]
 
-    return nnx.merge(graphdef, create(seed))
+    return nnx.merge(graphdef, create(seed_arg))

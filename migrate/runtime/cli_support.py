@@ -32,7 +32,9 @@ from migrate.errors import (
 
 _deferring = 0  # > 0 inside `signals_deferred()`
 _received: list[int] = []  # signals not yet acted on (deferred, or their exception swallowed)
-_quiet_exit = False  # the error line is printed and not --verbose: what the exit logs is noise
+# The error printed without --verbose, held (with the frames it keeps alive) until `exit_now`
+# turns logging off: what the exit logs after that line is noise.
+_quiet_exit: BaseException | None = None
 
 
 def _raise_interrupted(signum: int, frame) -> None:
@@ -125,6 +127,7 @@ def guarded(program: str, body: Callable[[], int], verbose: Callable[[], bool]) 
     line, what abandoned library objects print as they are collected (an Orbax event loop, a
     save never awaited) is dropped too, unless `verbose()`."""
     global _quiet_exit
+    _quiet_exit = None
     try:
         with signals_raise():
             status = body()
@@ -147,7 +150,7 @@ def guarded(program: str, body: Callable[[], int], verbose: Callable[[], bool]) 
         if loud:
             traceback.print_exc()
         else:
-            _quiet_exit = True
+            _quiet_exit = sys.exc_info()[1]
             sys.unraisablehook = lambda unraisable: None
             warnings.simplefilter("ignore")
         return status
@@ -188,7 +191,7 @@ def exit_now(status: int, distributed: bool = False, program: str = "") -> None:
     if program and threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, _interrupted_while_exiting(program, status))
-    if _quiet_exit:
+    if _quiet_exit is not None:
         # What the libraries log as their abandoned objects are collected at exit restates the
         # error line once per object (measured: an Orbax save on a full disk, one asyncio "Task
         # exception was never retrieved" per failed write, 68 KB of them on a slow run).

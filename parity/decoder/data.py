@@ -44,6 +44,4 @@ def _tokens(
     afterwards, they would be resharded by a program of their own."""
     key = jax.random.fold_in(jax.random.key(seed), step)
     tokens = jax.random.randint(key, shape, 0, vocab_size, dtype=jnp.int32)
-    return tuple(
-        jax.lax.with_sharding_constraint(x, batch_sharding) for x in (tokens[:, :-1], tokens[:, 1:])
-    )
+    return jax.lax.with_sharding_constraint((tokens[:, :-1], tokens[:, 1:]), batch_sharding)

@@ -18,7 +18,7 @@ from migrate.checkpoints import convert
 from migrate.common import sharding as sharding_lib
 from migrate.config.contract import Config
 from parity.analysis import compare
-from parity.decoder import drilldown, twins
+from parity.decoder import flow, twins
 from parity.decoder.data import synthetic_batch
 from parity.decoder.sides import LinenDecoderSide, NNXDecoderSide
 from parity.engine.pair import SOURCES, Pair
@@ -77,7 +77,7 @@ class DecoderPair(Pair):
         return synthetic_batch(self.cfg, self.mesh, step=step, split=split)
 
     def rank(self, tensor: str) -> Any:
-        return drilldown.data_flow_rank(tensor)
+        return flow.data_flow_rank(tensor)
 
     def vacuity(self, run: Run) -> list[str]:
         return vacuity_problems(run, self.cfg.vocab_size)
