@@ -30,11 +30,12 @@ def state_shardings(
     tx: optax.GradientTransformation,
     abstract_params: Any,
     param_shardings: Any,
-    replicated: jax.sharding.Sharding,
+    mesh: jax.sharding.Mesh,
     is_leaf: Callable[[Any], bool],
 ) -> Any:
     """The shardings of `tx`'s state: each moment sharded like its parameter, everything else
-    (step counts) `replicated`."""
+    (step counts) replicated over `mesh`."""
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     mapped = []  # `eval_shape` returns arrays only: the shardings come out by this list
 
     def under_a_trace() -> tuple[()]:

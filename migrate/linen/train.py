@@ -76,13 +76,8 @@ def train_state_shardings(
     optimizer moment is sharded like its parameter, everything else (step counts) replicated.
     """
     param_shardings = param_shardings_of(abstract_params, mesh, cfg)
-    replicated = NamedSharding(mesh, PartitionSpec())
     opt_state_shardings = optim.state_shardings(
-        tx,
-        abstract_params,
-        param_shardings,
-        replicated,
-        lambda x: isinstance(x, nn.LogicallyPartitioned),
+        tx, abstract_params, param_shardings, mesh, lambda x: isinstance(x, nn.LogicallyPartitioned)
     )
     return param_shardings, opt_state_shardings
 

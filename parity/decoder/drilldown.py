@@ -214,7 +214,8 @@ def stages(
             layer_params = _as_nnx(
                 layer_boxed, lambda r: nnx_layers.DecoderLayer(compute_cfg, mesh, rngs=r), mesh
             )
-        layer_params = distributed.replicate(layer_params, mesh)
+        else:
+            layer_params = distributed.replicate(layer_params, mesh)
         prefix = f"layer {index}/"
 
         def apply(x):
