@@ -98,3 +98,18 @@ def test_grads_name_the_largest_relative_error_then_the_earliest_in_the_data_flo
         "x/pipeline/layers/layers_0/self_attention/query/kernel"
     )
     assert np.isclose(result.value, 2e-3)
+
+
+def test_texts_equal_character_for_character_skip_the_parse_with_the_same_verdict():
+    def alias(x, w):  # dense under another name: the module's and ops' names differ
+        return jnp.tanh(x @ w)
+
+    text, other = lowered_text(dense, X, W), lowered_text(alias, X, W)
+    assert text == lowered_text(dense, X, W)
+    parsed = hlo_diff.diff(hlo_diff.parse(text), hlo_diff.parse(text))
+    assert hlo_diff.diff_texts(text, text) == parsed  # same count, without parsing
+    assert parsed.instructions[0] == len(hlo_diff.parse(text)) > 0
+    assert hlo_diff.diff_texts(text, other) == hlo_diff.diff(
+        hlo_diff.parse(text), hlo_diff.parse(other)
+    )
+    assert text != other and hlo_diff.diff_texts(text, other).identical  # parsed: names differ

@@ -106,8 +106,8 @@ def _short(path: str) -> str:
     return path
 
 
-def parse(hlo_text: str) -> list[Instruction]:
-    """The instructions of an HLO module in text order, names canonical, metadata resolved."""
+def _split(hlo_text: str) -> tuple[dict[str, list[str]], list[str]]:
+    """(the stack-frame tables by name, the module's body lines)."""
     tables: dict[str, list[str]] = {}
     body: list[str] = []
     table = None
@@ -121,6 +121,12 @@ def parse(hlo_text: str) -> list[Instruction]:
             table = None
         elif line.strip() and not line.startswith("HloModule"):
             body.append(line)
+    return tables, body
+
+
+def parse(hlo_text: str) -> list[Instruction]:
+    """The instructions of an HLO module in text order, names canonical, metadata resolved."""
+    tables, body = _split(hlo_text)
     sources = _frame_sources(tables)
 
     defined: dict[str, None] = {}
@@ -189,6 +195,16 @@ class ProgramDiff:
             f"{label}: {self.kind} at instruction {self.position}: Linen {shown(self.linen)} "
             f"| NNX {shown(self.nnx)}"
         )
+
+
+def diff_texts(linen: str, nnx: str) -> ProgramDiff:
+    """`diff` of two HLO texts. Texts equal character for character (the twins' optimised
+    programs, typically) are identical programs without parsing either (~0.3 s per 5,000
+    instructions)."""
+    if linen == nnx:
+        count = sum(1 for line in _split(linen)[1] if _DEFINITION.match(line))
+        return ProgramDiff(True, (count, count))
+    return diff(parse(linen), parse(nnx))
 
 
 def diff(linen: list[Instruction], nnx: list[Instruction], context: int = 2) -> ProgramDiff:

@@ -242,7 +242,7 @@ def program(pair: Pair) -> CheckResult:
         else:
             texts = [pair.lowered(f).as_text(dialect="hlo", debug_info=True) for f in SOURCES]
         with comparing():
-            found = hlo_diff.diff(hlo_diff.parse(texts[0]), hlo_diff.parse(texts[1]))
+            found = hlo_diff.diff_texts(*texts)
         summaries.append(found.summary(f"{stage} HLO"))
         records.append(
             {
