@@ -28,6 +28,7 @@ from migrate.checkpoints.train_state import Spec, TrainState
 from migrate.common import optim, sharding
 from parity.decoder import twins
 from parity.decoder.data import synthetic_batch
+from parity.engine import compiles
 
 # A damaged checkpoint fails an Orbax read while others are in flight; those end in Orbax's
 # closed event loop and Python reports them as unraisable. The CLI silences them (its
@@ -69,6 +70,27 @@ def random_state(spec: Spec, mesh, seed: int = 0) -> TrainState:
     values = jax.tree.map(fill, train_state.to_pure((template.params, template.opt_state)))
     params, opt_state = train_state.from_pure((template.params, template.opt_state), values)
     return TrainState(params, opt_state, 42)
+
+
+@pytest.mark.parametrize("min_slice_bytes", [0, checkpoint_io.REPLICA_PARALLEL_MIN_SLICE_BYTES])
+def test_a_save_compiles_no_program_below_the_replica_parallel_size(
+    min_slice_bytes, tmp_path, monkeypatch
+):
+    """Orbax cuts each replica's share of a replicated array with an eager program of its own
+    (0: every array split so); below `REPLICA_PARALLEL_MIN_SLICE_BYTES` a shard is written
+    whole and a save of the tiny model compiles nothing. The in-memory caches are cleared first
+    so that a program another test compiled counts (as a persistent-cache read)."""
+    cfg, mesh = setup()
+    spec = Spec("nnx", "pipeline", cfg)
+    state = random_state(spec, mesh, seed=3)
+    monkeypatch.setattr(checkpoint_io, "REPLICA_PARALLEL_MIN_SLICE_BYTES", min_slice_bytes)
+    jax.clear_caches()
+    with compiles.measure() as cost:
+        checkpoint_io.save(tmp_path / "ckpt", spec, state)
+    programs = cost.compilations + cost.cache_reads
+    assert (programs > 0) if min_slice_bytes == 0 else (programs == 0), cost.programs
+    restored = checkpoint_io.restore(tmp_path / "ckpt", spec, mesh)
+    assert_bit_exact(linen_form(restored, "nnx"), linen_form(state, "nnx"))
 
 
 @pytest.fixture(scope="module")

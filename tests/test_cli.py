@@ -121,7 +121,7 @@ GATE_PROGRAMS = {
     f"jit({name})"
     for name in (
         "init", "create", "step", "init_fn", "train_step", "<lambda>", "apply",
-        "cross_entropy_loss", "stack", "after", "_as_float32",
+        "cross_entropy_loss", "plain_layer", "after", "_as_float32",
     )
 }  # fmt: skip
 

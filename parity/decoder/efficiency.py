@@ -96,7 +96,7 @@ def _pipeline_efficiency(cfg: Config, mesh: Mesh) -> PipelineEfficiency:
     its loops as the config has them, is compiled on the config's mesh with its weights and
     input sharded as declared; its per-device matmul FLOPs times the device count are the work
     it performs, so matmuls replicated over a mesh axis count once per replica. The useful
-    work is the plain decoder layers (a Python loop over the N layers) on the full batch,
+    work is the plain decoder layers (N times one, identical layers) on the full batch,
     compiled on one device. With a pipelined subset the layers after the pipeline (a Python
     loop too) are compiled on the config's mesh on the batch they run on, split over stages as
     well, and their work is added to the pipeline's: useful work once, with no bubbles
@@ -118,28 +118,29 @@ def _pipeline_efficiency(cfg: Config, mesh: Mesh) -> PipelineEfficiency:
         after_flops, after_dots = _after_pipeline_flops(cfg, mesh, variables)
         pipeline_flops, pipeline_dots = pipeline_flops + after_flops, pipeline_dots + after_dots
 
+    # The useful work: the N identical plain layers, each a compiled copy of one (a program
+    # of N unrolled layers does N times the work of one, measured equal on every shipped
+    # config, and its trace and compile cost N times as much).
     one_device = _one_device_mesh()
     layer = linen_layers.DecoderLayer(cfg, one_device)
     reference_layers = jax.eval_shape(
         lambda v: convert.linen_pipeline_to_reference(v, cfg), variables
     )["params"]["layers"]
-    stacked = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nn.meta.unbox(reference_layers)
+    one_layer_params = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), nn.meta.unbox(reference_layers)
     )
 
-    def stack(stacked_params, x, pos):
-        for i in range(cfg.base_num_decoder_layers):
-            x, _ = layer.apply(
-                {"params": jax.tree.map(lambda w, i=i: w[i], stacked_params)}, x, pos
-            )
-        return x
+    def plain_layer(layer_params, x, pos):
+        return layer.apply({"params": layer_params}, x, pos)[0]
 
-    reference_flops, reference_dots = _compiled_flops(
-        stack,
-        stacked,
+    layer_flops, layer_dots = _compiled_flops(
+        plain_layer,
+        one_layer_params,
         jax.ShapeDtypeStruct(x.shape, x.dtype),
         jax.ShapeDtypeStruct(positions.shape, positions.dtype),
     )
+    reference_flops = layer_flops * cfg.base_num_decoder_layers
+    reference_dots = layer_dots * cfg.base_num_decoder_layers
     return PipelineEfficiency(
         pipeline_dot_flops=pipeline_dots * cfg.num_devices,
         reference_dot_flops=reference_dots,

@@ -225,8 +225,9 @@ def _nnx_abstract(
 def nnx_abstract(
     cfg: Config, mesh: Mesh, use_pipeline: bool | None = None, bubble_fill: float = 0.0
 ) -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, abstract state) of the NNX decoder, without allocating weights."""
-    return _nnx_abstract(cfg, mesh, use_pipeline, bubble_fill, nnx_mode())
+    """(graphdef, abstract state) of the NNX decoder, without allocating weights (one trace
+    per computation: the seed and name change no shape)."""
+    return _nnx_abstract(compute_config(cfg), mesh, use_pipeline, bubble_fill, nnx_mode())
 
 
 @nnx_cache
