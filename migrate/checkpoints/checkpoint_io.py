@@ -62,8 +62,9 @@ REPLICA_PARALLEL_MIN_SLICE_BYTES = 2**20
 
 
 def _type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
-    """Orbax's default handlers, the jax.Array one with `REPLICA_PARALLEL_MIN_SLICE_BYTES`
-    (its own registry: the global one is left as it is for the caller's other checkpoints)."""
+    """Orbax's default handlers (but the placeholder's: no tree here holds one), the jax.Array
+    one with `REPLICA_PARALLEL_MIN_SLICE_BYTES` (a registry of its own: the global one is left
+    as it is for the caller's other checkpoints)."""
     scalar = ocp.type_handlers.ScalarHandler()
     arrays = ocp.type_handlers.ArrayHandler(
         min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_SLICE_BYTES,

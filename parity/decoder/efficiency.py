@@ -3,8 +3,9 @@
 The pipeline is compiled as the config runs it (its iterations and in-stage layers scanned or
 not), forward only, and its work is read off the compiled HLO with every loop body counted once
 per iteration (`parity.analysis.work.executed`; XLA's own cost analysis counts a body once,
-whatever its trip count). The non-pipelined layer stack (and the layers after a pipelined
-subset) are Python loops, compiled as they are.
+whatever its trip count). The useful work is one plain decoder layer, compiled once and counted
+for each of the N identical layers; the layers after a pipelined subset are a Python loop,
+compiled as it runs.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def _pipeline_efficiency(cfg: Config, mesh: Mesh) -> PipelineEfficiency:
     it performs, so matmuls replicated over a mesh axis count once per replica. The useful
     work is the plain decoder layers (N times one, identical layers) on the full batch,
     compiled on one device. With a pipelined subset the layers after the pipeline (a Python
-    loop too) are compiled on the config's mesh on the batch they run on, split over stages as
+    loop) are compiled on the config's mesh on the batch they run on, split over stages as
     well, and their work is added to the pipeline's: useful work once, with no bubbles
     (`placement.work_overhead`).
     """
@@ -119,13 +120,15 @@ def _pipeline_efficiency(cfg: Config, mesh: Mesh) -> PipelineEfficiency:
         pipeline_flops, pipeline_dots = pipeline_flops + after_flops, pipeline_dots + after_dots
 
     # The useful work: the N identical plain layers, each a compiled copy of one (a program
-    # of N unrolled layers does N times the work of one, measured equal on every shipped
-    # config, and its trace and compile cost N times as much).
+    # of N unrolled layers does N times the work of one in matmul FLOPs, measured on the
+    # eleven shipped tiny configs that fit 8 devices; its trace and compile cost N times more).
     one_device = _one_device_mesh()
     layer = linen_layers.DecoderLayer(cfg, one_device)
     reference_layers = jax.eval_shape(
         lambda v: convert.linen_pipeline_to_reference(v, cfg), variables
     )["params"]["layers"]
+    stacked = {a.shape[0] for a in jax.tree.leaves(nn.meta.unbox(reference_layers))}
+    assert stacked == {cfg.base_num_decoder_layers}, (stacked, cfg.base_num_decoder_layers)
     one_layer_params = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), nn.meta.unbox(reference_layers)
     )
