@@ -41,7 +41,7 @@ fi
 # The imports are checked once per install and module list (each MaxText import takes seconds:
 # re-checking on every `make test` cost ~45 s): the stamp records what passed.
 checked="$venv/.imports-checked"
-if [ ! -f "$checked" ] || [ "$venv/.installed" -nt "$checked" ] \
+if [ ! -f "$checked" ] || [ "$venv/.installed" -nt "$checked" ] || ! "$venv/bin/python" -c '' \
     || [ "$(cat "$checked")" != "${modules[*]}" ]; then
   rm -f "$checked"
   for module in "${modules[@]}"; do
