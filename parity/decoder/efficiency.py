@@ -124,13 +124,13 @@ def _pipeline_efficiency(cfg: Config, mesh: Mesh) -> PipelineEfficiency:
     # eleven shipped tiny configs that fit 8 devices; its trace and compile cost N times more).
     one_device = _one_device_mesh()
     layer = linen_layers.DecoderLayer(cfg, one_device)
-    reference_layers = jax.eval_shape(
-        lambda v: convert.linen_pipeline_to_reference(v, cfg), variables
+    reference_layers = nn.meta.unbox(
+        jax.eval_shape(lambda v: convert.linen_pipeline_to_reference(v, cfg), variables)
     )["params"]["layers"]
-    stacked = {a.shape[0] for a in jax.tree.leaves(nn.meta.unbox(reference_layers))}
+    stacked = {a.shape[0] for a in jax.tree.leaves(reference_layers)}
     assert stacked == {cfg.base_num_decoder_layers}, (stacked, cfg.base_num_decoder_layers)
     one_layer_params = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), nn.meta.unbox(reference_layers)
+        lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), reference_layers
     )
 
     def plain_layer(layer_params, x, pos):
