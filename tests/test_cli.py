@@ -12,11 +12,12 @@ from pathlib import Path
 
 import jax
 import pytest
-from conftest import CONFIG_DIR, FAST_CODEGEN, SHIPPED_TINY_CONFIGS, tiny
+from conftest import CONFIG_DIR, FAST_CODEGEN, SHIPPED_TINY_CONFIGS, TINY_CONFIGS, tiny
 
 from migrate.common import placement
 from migrate.runtime import devices
 from parity import cli
+from parity.decoder import cost
 from parity.reports import report
 
 REPO = Path(__file__).resolve().parent.parent
@@ -170,8 +171,8 @@ def test_every_check_passes_on_every_shipped_tiny_config(name, tmp_path, capsys)
         assert check["worst"]["value"] <= check["worst"]["tolerance"]
     for name_ in TWIN_CHECKS:  # Linen vs NNX: zero difference, whatever the dtype
         assert checks[name_]["worst"]["value"] == checks[name_]["worst"]["tolerance"] == 0
-    pipeline = {d["tensor"]: d for d in checks["pipeline"]["details"]}
-    assert pipeline["linen/grad_norm"]["passed"] and pipeline["nnx/grad_norm"]["passed"]
+    assert_pipeline_compared_every_gradient(name, checks["pipeline"]["details"])
+    assert_loop_communicates_at_the_minimum(cfg, checks["compile"])
     sharding = {d["tensor"]: d for d in checks["sharding"]["details"]}
     for side in ("input", "output"):
         record = sharding[f"train step {side}: params/decoder_norm/scale"]
@@ -186,6 +187,45 @@ def test_every_check_passes_on_every_shipped_tiny_config(name, tmp_path, capsys)
     assert [c.get("name") for c in suite.findall("testcase")] == list(checks)
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "golden" / f"{name}.sharding.json").exists()
+
+
+def assert_pipeline_compared_every_gradient(name: str, details: list[dict]) -> None:
+    """Each side's pipeline against its reference: the loss, the logits, the gradient norm and
+    every gradient leaf in the reference layout (the llama2 layer's 9 and the 3 outside it)."""
+    records = {d["tensor"]: d for d in details}
+    grads = {
+        side: {t.removeprefix(side) for t in records if t.startswith(f"{side}/grads/params/")}
+        for side in ("linen", "nnx")
+    }
+    assert grads["linen"] == grads["nnx"] and len(grads["linen"]) >= 9, grads
+    if name in TINY_CONFIGS:  # float32 llama2 layers, untied head
+        assert len(grads["linen"]) == 12, sorted(grads["linen"])
+    for side in ("linen", "nnx"):
+        for tensor in ("loss", "logits", "grad_norm"):
+            assert records[f"{side}/{tensor}"]["passed"], (side, tensor)
+
+
+def assert_loop_communicates_at_the_minimum(cfg, compile_check: dict) -> None:
+    """The pipeline loop's body, both ways, moves activations across stages with exactly one
+    collective-permute and nothing else; ag-once leaves no gather in it, ag-per-repeat moves
+    its gathers to the repeat body (the compiled train step the compile check reads)."""
+    by_tensor = {r["tensor"]: r for r in compile_check["details"]}
+    for direction in cost.DIRECTIONS:
+        rotation = by_tensor[f"loop body {direction}: collective-permute across stages"]
+        assert rotation["linen"] == rotation["nnx"] == rotation["minimum"] == 1
+        across = [t for t in by_tensor if t.startswith(f"loop body {direction}:") and "across" in t]
+        assert across == [f"loop body {direction}: collective-permute across stages"], across
+    if cfg.pipeline_fsdp_ag_once:
+        assert by_tensor["loop body forward: all-gather over fsdp (ag-once)"]["nnx"] == 0
+    if cfg.pipeline_fsdp_ag_per_repeat:
+        for direction in cost.DIRECTIONS:
+            in_loop = by_tensor[f"loop body {direction}: all-gather over fsdp (ag-per-repeat)"]
+            assert in_loop["linen"] == in_loop["nnx"] == 0
+        # Forward: one gather per weight of the window per block; backward: the same again,
+        # recomputed under the block's remat (XLA's combiner may merge some).
+        per_repeat = by_tensor["repeat body forward: all-gather over fsdp (ag-per-repeat)"]
+        assert per_repeat["linen"] == per_repeat["nnx"] >= 1
+    assert "loop body across stages fwd/bwd: collective-permute 1/1" in compile_check["message"]
 
 
 @pytest.mark.slow
