@@ -131,10 +131,12 @@ GATE_PROGRAMS = {
 @pytest.mark.parametrize("name", SHIPPED_TINY_CONFIGS)
 def test_every_check_passes_on_every_shipped_tiny_config(name, tmp_path, capsys):
     """The config matrix CI gates: every check (`--checks=all`) and every report, on every
-    shipped tiny config. Meshes that fit this session's devices run in-process (sharing
-    compiled programs with the other tests); larger ones run the console script, which
-    requests its own simulated devices, and so does the default config, with XLA's default
-    code generation, as users run it (the suite's own is unoptimised: conftest.FAST_CODEGEN)."""
+    shipped tiny config; on its report, each side's pipeline against its reference leaf by leaf
+    and the loop's collectives at their minimum (the runs that prove the checks pass serve
+    these too). Meshes that fit this session's devices run in-process (sharing compiled
+    programs with the other tests); larger ones run the console script, which requests its own
+    simulated devices, and so does the default config, with XLA's default code generation, as
+    users run it (the suite's own is unoptimised: conftest.FAST_CODEGEN)."""
     cfg = tiny(name)
     json_path, junit_path, plot_path = (tmp_path / f for f in ("r.json", "r.xml", "r.png"))
     args = (
