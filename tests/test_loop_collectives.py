@@ -1,6 +1,7 @@
 """The pipeline loop's communication: the schedule's scalar bookkeeping, the rotation's transpose,
-the HLO reading behind the compile check's loop-body gate, the gate on every tiny config, and a
-seeded extra collective that the gate must catch (monkeypatched into the NNX side)."""
+the HLO reading behind the compile check's loop-body gate (held on every shipped config by the
+config matrix, tests/test_cli.py), and a seeded extra collective that the gate must catch
+(monkeypatched into the NNX side)."""
 
 from __future__ import annotations
 
