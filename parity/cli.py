@@ -331,15 +331,13 @@ def _run_maxtext(positional: Sequence[str]) -> int:
         return EXIT_PASS
     ensure_simulated_devices(config.num_devices)
 
-    import jax  # JAX starts here
-
     from parity.decoder import runner
+    from parity.engine import compiles  # JAX starts here
     from parity.engine.result import EXIT_STATUS
     from parity.remote import maxtext_pair
     from parity.reports import report
 
-    if FLAGS.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
+    compiles.use_compilation_cache(FLAGS.compilation_cache_dir)  # the workers compile through it
     pair = maxtext_pair.MaxTextPair(config, environments)
     progress(f"{config.describe()}; sides: {pair.workers.describe(environments)}")
     try:

@@ -39,6 +39,11 @@ class FakeSide:
             raise ValueError("the model's own error")
         if behaviour == "print":
             print("chatter on stdout must not break the protocol")
+        if behaviour == "compile":  # one program of its own, compiled in this worker
+            import jax
+
+            w = np.asarray(jax.jit(lambda w: w * 1)(weights["params"]["w"]))
+            weights = {"params": {"w": w}}
         from parity.engine.side import Run
 
         w = weights["params"]["w"]

@@ -90,6 +90,42 @@ def test_an_error_of_the_model_code_keeps_its_meaning(framework, status):
         worker.close()
 
 
+def test_a_worker_compiles_through_the_runs_cache_and_its_compiles_count_in_the_run(tmp_path):
+    """The run's persistent cache (`--compilation_cache_dir`, here a new one) is the worker's:
+    its program is written there (a second run reads it); and the compile, made in the worker,
+    is counted in the check that called it, its program named after the worker."""
+    import jax
+
+    from parity.engine import compiles
+    from parity.remote.client import WorkerSet
+    from parity.remote.environments import Environment
+
+    cache = tmp_path / "xla"
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    before = {name: getattr(jax.config, name) for name in names}
+    workers = WorkerSet()
+    try:
+        compiles.use_compilation_cache(str(cache))
+        where = Environment(sys.executable, extra_paths=(TESTS,))
+        worker = workers.start("nnx", where, FAKES, {"run": "compile"}, {"x": np.zeros(2)})
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+    try:
+        side = RemoteSide(worker, "nnx")
+        weights = side.own_weights()
+        with compiles.measure() as cost:
+            side.run(weights)
+        assert cost.compilations == 1 and cost.cache_reads == 0, cost
+        assert cost.programs == ["nnx/jit(<lambda>)"] and cost.compile_seconds > 0
+        with compiles.measure() as again:  # a new function, the same program: read, not built
+            side.run(weights)
+        assert (again.compilations, again.cache_reads) == (1, 1), again
+    finally:
+        workers.close()
+    assert [p for p in cache.iterdir() if p.name.startswith("jit__lambda")], list(cache.iterdir())
+
+
 @pytest.mark.parametrize("behaviour", ["die", "hang"])
 def test_a_worker_that_dies_or_hangs_is_lost_in_bounded_time(behaviour):
     worker = fake_worker(timeout_s=3, run=behaviour)
@@ -146,9 +182,12 @@ def test_the_twins_in_two_workers_pass_the_engine_checks(tmp_path):
     assert result.returncode == 0, err[-3000:]
     assert "not across processes, skipped: pipeline, bubbles, layers, compile, efficiency" in err
     assert "s in calls to the workers" in err and "moving arrays between the processes" in err
-    checks = {c["name"]: c for c in json.loads(report.read_text())["checks"]}
+    data = json.loads(report.read_text())
+    checks = {c["name"]: c for c in data["checks"]}
     assert list(checks) == list(ACROSS)
     assert all(c["passed"] for c in checks.values())
+    # the programs compiled (or read from the cache) in the workers count in the run's cost
+    assert {"linen", "nnx"} <= {p.partition("/")[0] for p in data["cost"]["programs"]}
 
 
 @pytest.mark.slow

@@ -143,6 +143,21 @@ def measure() -> Iterator[Cost]:
             setattr(cost, field.name, getattr(found, field.name))
 
 
+def events_after(index: int) -> tuple[list[tuple[str, float, str]], int]:
+    """The events recorded since `index`, and the index to ask from next (a worker sends its
+    own with each reply)."""
+    with _lock:
+        return list(_events[index:]), len(_events)
+
+
+def record(events: list, source: str) -> None:
+    """Events another process recorded (a worker's compiles), counted here as if this process
+    had; their programs named `source/NAME`. Its compile seconds add to this run's."""
+    with _lock:
+        for event, seconds, name in events:
+            _events.append((str(event), float(seconds), f"{source}/{name}" if name else ""))
+
+
 @contextlib.contextmanager
 def comparing() -> Iterator[None]:
     """Count the block's seconds as comparing (not nested: the outermost block counts)."""

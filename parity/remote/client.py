@@ -17,6 +17,7 @@ import os
 import queue
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -147,6 +148,10 @@ class Worker:
         reply = self._reply(self.timeout_s if timeout_s is None else timeout_s, op)
         self.seconds_in_calls += time.perf_counter() - start
         self.calls += 1
+        if reply.get("compiles"):
+            from parity.engine import compiles  # JAX is up by the time a worker replies
+
+            compiles.record(reply["compiles"], self.name)
         if "error" in reply:
             raise WorkerError(self.name, reply["error"])
         return reply.get("ok", {})
@@ -195,6 +200,22 @@ class Worker:
         self.close()
 
 
+def compilation_cache_variables() -> dict[str, str]:
+    """This process's persistent compilation cache as the environment a worker's JAX reads at
+    its start: the workers compile through the run's cache (`--compilation_cache_dir`, or the
+    run's own temporary one), so a second run reads their programs. None where this process
+    keeps no cache (or has not started JAX: importing it here would fix its devices)."""
+    jax = sys.modules.get("jax")
+    directory = jax.config.jax_compilation_cache_dir if jax is not None else None
+    if not directory:
+        return {}
+    seconds = jax.config.jax_persistent_cache_min_compile_time_secs
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(directory),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(seconds),
+    }
+
+
 class WorkerSet(dict):
     """The workers of a pair's sides, by framework: started from their environments, what they
     cost, closed together."""
@@ -212,7 +233,8 @@ class WorkerSet(dict):
         environment `variables`, its side built by `factory(options, batch)`; `worker.info` is
         what the side reported (versions)."""
         paths = [*([where.path] if where.path else []), *where.extra_paths]
-        worker = Worker(where.python, framework, paths, env=variables, timeout_s=where.timeout_s)
+        env = {**compilation_cache_variables(), **(variables or {})}
+        worker = Worker(where.python, framework, paths, env=env, timeout_s=where.timeout_s)
         self[framework] = worker
         worker.info = worker.start(factory, {**options, "patch": where.patch}, batch)
         return worker

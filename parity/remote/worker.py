@@ -9,9 +9,11 @@ puts a host batch where the side's programs want it.
 Requests arrive on stdin, one JSON object per line: `{"op": ..., ...}`; each gets exactly one
 reply line on stdout: `{"ok": {...}}` or `{"error": {"type", "module", "message", "detail",
 "where"}}`, `where` being `model` for an exception of the side's own code (its model, its
-converters) and `worker` for one of this server. Anything else the side prints goes to stderr
-(stdout is the protocol's). Native weights, trainers and optimizer states stay here, under
-integer handles; only the common form, plain trees and results travel.
+converters) and `worker` for one of this server; with `"compiles"`, the XLA compilations the
+call made (`parity.engine.compiles` events), which the harness counts as its own. Anything
+else the side prints goes to stderr (stdout is the protocol's). Native weights, trainers and
+optimizer states stay here, under integer handles; only the common form, plain trees and
+results travel.
 
 Imports nothing of the project at the top but `parity.remote.protocol` (stdlib and numpy): the
 factory brings what its side needs.
@@ -64,6 +66,8 @@ class Server:
         self.held: dict[int, Any] = {}
         self.next_handle = 0
         self.io_seconds = 0.0  # writing and reading array files
+        self.compiles: Any = None  # `parity.engine.compiles` once the side is built
+        self.compiles_sent = 0
 
     # -------------------------------------------------------------- trees
 
@@ -115,7 +119,19 @@ class Server:
 
     # -------------------------------------------------------------- ops
 
+    def new_compiles(self) -> list:
+        """The compilations (and persistent-cache reads) since the last reply: the harness
+        counts them in the check that made this call."""
+        if self.compiles is None:
+            return []
+        events, self.compiles_sent = self.compiles.events_after(self.compiles_sent)
+        return events
+
     def op_start(self, factory: str, options: dict, batch: dict) -> dict:
+        from parity.engine import compiles  # imports JAX: only once the harness asks for a side
+
+        compiles.listen()
+        self.compiles = compiles
         module_name, _, function = factory.partition(":")
         make = getattr(importlib.import_module(module_name), function)
         host_batch = protocol.nest(protocol.read_tree(self.directory, batch)[0])
@@ -308,6 +324,9 @@ def serve(server: Server, requests: io.TextIOBase, replies: io.TextIOBase) -> No
             reply = _error_reply(e, "model")
         except Exception as e:
             reply = _error_reply(e, "worker")
+        with contextlib.suppress(Exception):  # what it cost never costs the reply
+            if compiled := server.new_compiles():
+                reply["compiles"] = compiled
         protocol.send(replies, reply)
 
 
