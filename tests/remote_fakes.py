@@ -29,6 +29,17 @@ class FakeSide:
     def plain(self, tree: Any) -> Any:
         return tree
 
+    def lowered(self, weights: dict) -> Any:
+        import jax
+
+        return jax.jit(lambda w: w * 3).lower(weights["params"]["w"])
+
+    def compiled(self, weights: dict) -> Any:
+        return self.lowered(weights).compile()
+
+    def program_shardings(self, compiled: Any) -> dict:
+        return {}
+
     def run(self, weights: dict) -> Any:
         behaviour = self.options.get("run", "ok")
         if behaviour == "hang":

@@ -90,29 +90,36 @@ def test_an_error_of_the_model_code_keeps_its_meaning(framework, status):
         worker.close()
 
 
+def cached_worker(workers, cache: Path, **options) -> Worker:
+    """A fake worker started by a run whose persistent cache is `cache` (the session's cache
+    settings restored)."""
+    import jax
+
+    from parity.engine import compiles
+    from parity.remote.environments import Environment
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    before = {name: getattr(jax.config, name) for name in names}
+    try:
+        compiles.use_compilation_cache(str(cache))
+        where = Environment(sys.executable, extra_paths=(TESTS,))
+        return workers.start(options.get("framework", "nnx"), where, FAKES, options, {})
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+
+
 def test_a_worker_compiles_through_the_runs_cache_and_its_compiles_count_in_the_run(tmp_path):
     """The run's persistent cache (`--compilation_cache_dir`, here a new one) is the worker's:
     its program is written there (a second run reads it); and the compile, made in the worker,
     is counted in the check that called it, its program named after the worker."""
-    import jax
-
     from parity.engine import compiles
     from parity.remote.client import WorkerSet
-    from parity.remote.environments import Environment
 
     cache = tmp_path / "xla"
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    before = {name: getattr(jax.config, name) for name in names}
     workers = WorkerSet()
     try:
-        compiles.use_compilation_cache(str(cache))
-        where = Environment(sys.executable, extra_paths=(TESTS,))
-        worker = workers.start("nnx", where, FAKES, {"run": "compile"}, {"x": np.zeros(2)})
-    finally:
-        for name, value in before.items():
-            jax.config.update(name, value)
-    try:
-        side = RemoteSide(worker, "nnx")
+        side = RemoteSide(cached_worker(workers, cache, run="compile"), "nnx")
         weights = side.own_weights()
         with compiles.measure() as cost:
             side.run(weights)
@@ -124,6 +131,25 @@ def test_a_worker_compiles_through_the_runs_cache_and_its_compiles_count_in_the_
     finally:
         workers.close()
     assert [p for p in cache.iterdir() if p.name.startswith("jit__lambda")], list(cache.iterdir())
+
+
+def test_a_workers_compile_time_says_whether_it_compiled_or_read_the_cache(tmp_path):
+    """What the compile check says of a worker's program (`--maxtext`): "compiled in" where
+    the worker compiled it; in a second run, which reads it from the persistent cache, that it
+    was a read, never a compile time."""
+    from parity.remote.client import WorkerSet
+
+    sources = []
+    for _ in range(2):  # two runs, one cache
+        workers = WorkerSet()
+        try:
+            side = RemoteSide(cached_worker(workers, tmp_path / "xla"), "nnx")
+            sources.append(side.compiled(side.own_weights()).facts["compile_source"])
+        finally:
+            workers.close()
+    assert sources[0].startswith("compiled in "), sources
+    assert sources[1].startswith("read from the persistent compilation cache in "), sources
+    assert sources[1].endswith(", not compiled")
 
 
 @pytest.mark.parametrize("behaviour", ["die", "hang"])

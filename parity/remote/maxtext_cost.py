@@ -128,8 +128,8 @@ def _summary(name: str, cost: CompiledCost, runs: Counter) -> str:
     return (
         f"{name} args {_bytes(cost.argument_bytes)} + temp {_bytes(cost.temp_bytes)} + out "
         f"{_bytes(cost.output_bytes)} = peak {_bytes(cost.peak_bytes)}, {cost.flops:.3g} flops, "
-        f"{sum(runs.values())} collectives executed ({across} across stages), compiled in "
-        f"{cost.compile_seconds:.1f}s"
+        f"{sum(runs.values())} collectives executed ({across} across stages), "
+        f"{cost.compile_source}"
     )
 
 
@@ -137,7 +137,8 @@ def compile_check(pair: Any) -> CheckResult:
     """Both releases' forward+backward programs as their workers compiled them."""
     programs = {f: pair.compiled(f) for f in SOURCES}
     costs = {
-        f: CompiledCost.of(p, p.facts.get("compile_seconds", 0.0)) for f, p in programs.items()
+        f: CompiledCost.of(p, p.facts.get("compile_seconds", 0.0), p.facts.get("compile_source"))
+        for f, p in programs.items()
     }
     # Each release's own mesh (their axis lists differ: 0.2.5 added `context_usp_ulysses` and
     # dropped `tensor_transpose`); the axes that split devices must be the same.

@@ -179,9 +179,8 @@ class Server:
     def op_program(self, handle: int) -> dict:
         weights = self.held[handle]
         lowered = _model(lambda: self.side.lowered(weights))
-        start = time.perf_counter()
-        compiled = _model(lambda: self.side.compiled(weights))
-        compile_seconds = time.perf_counter() - start
+        with self.compiles.measure() as compiling:
+            compiled = _model(lambda: self.side.compiled(weights))
         try:
             lowered_text = lowered.as_text(dialect="hlo", debug_info=True)
         except TypeError:  # an older jax without the keywords
@@ -204,7 +203,8 @@ class Server:
             "memory": memory_fields,
             "cost": {k: float(v) for k, v in cost.items() if isinstance(v, int | float)},
             "shardings": shardings,
-            "compile_seconds": compile_seconds,
+            "compile_seconds": compiling.wall_seconds,
+            "compile_source": _compile_source(compiling),
             "mesh_shape": dict(mesh.shape) if (mesh := getattr(self.side, "mesh", None)) else None,
         }
 
@@ -262,6 +262,17 @@ class Server:
         for handle in handles:
             self.held.pop(handle, None)
         return {}
+
+
+def _compile_source(cost: Any) -> str:
+    """How the program's compile time was obtained, plainly (`compiles.Compiled.describe`'s
+    words): compiled, read from the persistent cache, or already compiled in this worker."""
+    seconds = cost.wall_seconds
+    if cost.compilations == 0:
+        return f"compiled before in this worker (JAX's in-memory cache), {seconds:.1f}s to get"
+    if cost.cache_reads == cost.compilations:
+        return f"read from the persistent compilation cache in {seconds:.1f}s, not compiled"
+    return f"compiled in {seconds:.1f}s"
 
 
 def _spec(spec: Any) -> list:
