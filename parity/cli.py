@@ -331,8 +331,8 @@ def _run_maxtext(positional: Sequence[str]) -> int:
         return EXIT_PASS
     ensure_simulated_devices(config.num_devices)
 
-    from parity.decoder import runner
-    from parity.engine import compiles  # JAX starts here
+    from parity.decoder import runner  # JAX starts here
+    from parity.engine import compiles
     from parity.engine.result import EXIT_STATUS
     from parity.remote import maxtext_pair
     from parity.reports import report

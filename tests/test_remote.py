@@ -167,6 +167,20 @@ def test_a_worker_that_dies_or_hangs_is_lost_in_bounded_time(behaviour):
     assert worker.process.poll() is not None  # killed, not left behind
 
 
+def test_the_callers_working_directory_never_hides_the_sides_own_code(tmp_path, monkeypatch):
+    """A worker imports what its side's path names (`--nnx_path`), not a same-named module in
+    the directory `parity` was started from (a checkout's root, as users run it): `python -m`
+    puts the working directory first on the import path."""
+    (tmp_path / "remote_fakes.py").write_text('raise ImportError("the caller\'s copy")\n')
+    monkeypatch.chdir(tmp_path)
+    worker = fake_worker(run="ok")
+    try:
+        side = RemoteSide(worker, "nnx")
+        assert float(side.run(side.own_weights()).loss) == 15.0
+    finally:
+        worker.close()
+
+
 def test_a_side_that_cannot_be_built_is_an_error_of_its_code():
     worker = Worker(sys.executable, "linen", [TESTS], timeout_s=60)
     try:

@@ -153,9 +153,9 @@ def events_after(index: int) -> tuple[list[tuple[str, float, str]], int]:
 def record(events: list, source: str) -> None:
     """Events another process recorded (a worker's compiles), counted here as if this process
     had; their programs named `source/NAME`. Its compile seconds add to this run's."""
-    with _lock:
-        for event, seconds, name in events:
-            _events.append((str(event), float(seconds), f"{source}/{name}" if name else ""))
+    parsed = [(str(e), float(s), f"{source}/{n}" if n else "") for e, s, n in events]
+    with _lock:  # all or none: a malformed event raises before any is counted
+        _events.extend(parsed)
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ name a crash) and shown under `--verbose`-like `echo`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import queue
 import shutil
@@ -88,6 +89,9 @@ class Worker:
                 stderr=subprocess.PIPE,
                 text=True,
                 env=environment,
+                # not the caller's directory: `-m` puts the working directory first on the
+                # path, where a checkout would hide the side's own (`--nnx_path`)
+                cwd=self.directory,
             )
         except OSError as e:
             shutil.rmtree(self.directory, ignore_errors=True)
@@ -148,10 +152,11 @@ class Worker:
         reply = self._reply(self.timeout_s if timeout_s is None else timeout_s, op)
         self.seconds_in_calls += time.perf_counter() - start
         self.calls += 1
-        if reply.get("compiles"):
-            from parity.engine import compiles  # JAX is up by the time a worker replies
+        if reply.get("compiles") and "jax" in sys.modules:  # never the one to start JAX
+            with contextlib.suppress(Exception):  # what it cost never costs the reply
+                from parity.engine import compiles
 
-            compiles.record(reply["compiles"], self.name)
+                compiles.record(reply["compiles"], self.name)
         if "error" in reply:
             raise WorkerError(self.name, reply["error"])
         return reply.get("ok", {})

@@ -203,7 +203,7 @@ class Server:
             "memory": memory_fields,
             "cost": {k: float(v) for k, v in cost.items() if isinstance(v, int | float)},
             "shardings": shardings,
-            "compile_seconds": compiling.wall_seconds,
+            "compile_seconds": compiling.compile_seconds,
             "compile_source": _compile_source(compiling),
             "mesh_shape": dict(mesh.shape) if (mesh := getattr(self.side, "mesh", None)) else None,
         }
@@ -265,13 +265,17 @@ class Server:
 
 
 def _compile_source(cost: Any) -> str:
-    """How the program's compile time was obtained, plainly (`compiles.Compiled.describe`'s
-    words): compiled, read from the persistent cache, or already compiled in this worker."""
-    seconds = cost.wall_seconds
+    """How the program's compile time was obtained, plainly (as `compiles.Compiled.describe`
+    says it): compiled, read from the persistent cache (written by an earlier check of the run
+    or an earlier run), or already held by the side."""
     if cost.compilations == 0:
-        return f"compiled before in this worker (JAX's in-memory cache), {seconds:.1f}s to get"
+        return "compiled before this call, held by the side: not compiled again"
+    seconds = cost.compile_seconds
     if cost.cache_reads == cost.compilations:
         return f"read from the persistent compilation cache in {seconds:.1f}s, not compiled"
+    if cost.cache_reads:
+        read = f"{cost.cache_reads} of its {cost.compilations} programs read from the cache"
+        return f"compiled in {seconds:.1f}s ({read})"
     return f"compiled in {seconds:.1f}s"
 
 
