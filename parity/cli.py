@@ -224,6 +224,9 @@ def _run(argv: Sequence[str]) -> int:
     positional = list(argv[1:])
     if not positional:
         return usage_error("missing CONFIG (for example configs/llama2-tiny.yml)")
+    cache = FLAGS.compilation_cache_dir if FLAGS["compilation_cache_dir"].present else ""
+    if cache and (why := cli_support.unwritable_reason(Path(cache).expanduser())):  # as given
+        return usage_error(f"--compilation_cache_dir={cache}: {why}")  # (a default: uncached)
     if FLAGS.maxtext:
         return _run_maxtext(positional)
     stored = None

@@ -58,6 +58,9 @@ def run_in_process(*args: str) -> int:
         cli.FLAGS.unparse_flags()
 
 
+FILE = "configs/base.yml"  # a file where a directory is wanted
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -67,6 +70,8 @@ def run_in_process(*args: str) -> int:
         (("configs/llama2-tiny.yml", "num_pipeline_microbatches=6"), "multiple of S"),
         (("configs/llama2-tiny.yml", "--checks=forwrd"), "unknown checks ['forwrd']"),
         (("configs/llama2-tiny.yml", "ici_data_parallelism=2"), "needs 16 devices"),
+        (("configs/llama2-tiny.yml", f"--compilation_cache_dir={FILE}"), "is not a directory"),
+        (("--maxtext", "configs/maxtext/pp4.yml", f"--compilation_cache_dir={FILE}/x"), "is not"),
     ],
 )
 def test_usage_and_config_errors_exit_2_with_a_message(args, message, capsys):
