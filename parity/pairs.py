@@ -43,10 +43,12 @@ from parity.analysis import compare
 from parity.engine import checks as engine_checks
 from parity.engine import order, pair_args, programs, randomness
 from parity.engine.calls import DEFAULT_COLLECTIONS, Call, Randomness, named
+from parity.engine.module_base import is_float
 from parity.engine.modules import LinenModuleSide, LossFn, NNXModuleSide, mean_square_loss
 from parity.engine.pair import Pair, vacuity_problems
 from parity.engine.pair_args import PairArgumentError
 from parity.engine.programs import PROGRAM_PRIMITIVES, count_primitives
+from parity.engine.renames import nnx_leaves
 from parity.engine.renames import suggest as suggest_renames
 from parity.engine.result import EXIT_STATUS, CheckResult, errored, skipped
 from parity.engine.side import Run
@@ -203,30 +205,54 @@ def compare_modules(
 def _run_check(pair: ModulePair, name: str) -> CheckResult:
     if name in RUNS_CALLS and not any(c.compared_exactly for c in pair.calls):
         return skipped(
-            name, "max_rel", 0.0, "every call is stochastic without aligned keys: see `random`"
+            name,
+            "max_rel",
+            0.0,
+            "every call is stochastic without aligned keys: see `random` (their outputs, in "
+            "distribution; their state and sown values are not compared)",
         )
-    if name in ("grads", "train") and not _has_params(pair):
+    if name == "train" and not _has_params(pair):
         return skipped(name, "max_rel", 0.0, "no parameters: the module is compared on outputs")
+    if name == "grads" and not (_has_params(pair) or _has_float_inputs(pair)):
+        reason = "no parameters and no floating-point inputs: the module is compared on outputs"
+        return skipped(name, "max_rel", 0.0, reason)
     try:
         check = AVAILABLE[name]
-        return check(pair, TRAIN_STEPS) if name == "train" else check(pair)
+        result = check(pair, TRAIN_STEPS) if name == "train" else check(pair)
+        return _with_calls_not_run(result, pair) if name in RUNS_CALLS else result
     except ConversionError as error:  # paths that differ: suggest the renames that fit
         return _with_renames(errored(name, error), pair)
     except Exception as error:  # a failing check, reported
         return errored(name, error)
 
 
+def _with_calls_not_run(result: CheckResult, pair: ModulePair) -> CheckResult:
+    """A check that ran the calls says which it left out: a stochastic call whose keys are
+    not aligned is compared in distribution only (`random`); nothing it updates or sows is
+    compared, and the calls after it start from the state before it."""
+    left_out = [c.name for c in pair.calls if not c.compared_exactly]
+    if not left_out:
+        return result
+    note = (
+        f"not run: {', '.join(left_out)} (own keys, see `random`; what it updates or sows is "
+        "not compared, the calls after it start from the state before it)"
+    )
+    return dataclasses.replace(result, message=f"{result.message}; {note}".lstrip("; "))
+
+
 def _with_renames(result: CheckResult, pair: ModulePair) -> CheckResult:
+    """The renames that carry every path, from both modules' own paths: the given renames
+    may be the mistake, so the suggestion replaces them rather than adding to them."""
     try:
-        suggested = suggest_renames(pair.linen.leaf_shapes(), pair.nnx.leaf_shapes())
+        nnx_own = nnx_leaves(pair.nnx.template, pair.nnx.collections)
+        suggested = suggest_renames(pair.linen.leaf_shapes(), nnx_own)
     except Exception:  # no suggestion where the shapes cannot be read; the error stands
         return result
-    if not suggested:
+    if not suggested or suggested == pair.nnx.renames:
         return result
-    ready = {**pair.nnx.renames, **suggested}
     return dataclasses.replace(
         result,
-        message=f"paths differ; matched by shape and position, try renames={ready!r}\n"
+        message=f"paths differ; matched by shape and position, try renames={suggested!r}\n"
         + result.message,
     )
 
@@ -236,6 +262,17 @@ def _has_params(pair: ModulePair) -> bool:
         return bool(pair.linen.to_common(pair.weights("linen", "linen"))["params"])
     except Exception:  # the checks themselves report what does not initialise
         return True
+
+
+def _has_float_inputs(pair: ModulePair) -> bool:
+    """A compared call passes both sides a floating-point array (its gradient is compared)."""
+    side = pair.linen
+    return any(
+        is_float(array)
+        for i in side.compared
+        for label, array in side.call_inputs[i].arrays().items()
+        if label in side.call_inputs[i].shared
+    )
 
 
 def exit_status(results: Sequence[CheckResult]) -> int:

@@ -119,8 +119,10 @@ def test_the_example_pair_passes_every_check_bit_exactly():
     assert all(r.value == 0.0 for r in results)
     tensors = {r.name: [d["tensor"] for d in r.details] for r in results}
     assert tensors["forward"] == ["linen-init/outputs", "nnx-init/outputs"]
-    assert tensors["grads"] == [
-        f"{source}-init/grads/{p}/kernel" for source in ("linen", "nnx") for p in ("down", "up")
+    assert tensors["grads"] == [  # the parameters' gradients, then the input's
+        f"{source}-init/{part}"
+        for source in ("linen", "nnx")
+        for part in ("grads/down/kernel", "grads/up/kernel", "input_grads/0")
     ]
     assert tensors["sharding"] == [
         "down/kernel: names",

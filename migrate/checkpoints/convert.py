@@ -103,11 +103,10 @@ def unflatten_dict(flat: Mapping[Path, Any]) -> dict[str, Any]:
     return tree
 
 
-def _rename(path: Path, renames: Mapping[Path, Path]) -> Path:
-    for old, new in renames.items():
-        if path[: len(old)] == old:
-            return (*new, *path[len(old) :])
-    return path
+def rename_path(path: Path, renames: Mapping[Path, Path]) -> Path:
+    """`path` with its longest prefix among `renames`' keys replaced (not the first in order)."""
+    old = max((o for o in renames if path[: len(o)] == tuple(o)), key=len, default=None)
+    return path if old is None else (*renames[old], *path[len(old) :])
 
 
 def _inverse(renames: Mapping[Path, Path]) -> dict[Path, Path]:
@@ -230,7 +229,7 @@ def _linen_flat(
         arrays, names = strip_boxes(variables.get(collection, {}))
         flat_names = flatten_dict(names)
         for path, value in flatten_dict(arrays).items():
-            flat[(collection, *_rename(path, renames))] = (value, flat_names[path])
+            flat[(collection, *rename_path(path, renames))] = (value, flat_names[path])
     return flat
 
 
@@ -289,7 +288,7 @@ def nnx_to_linen(
     state = nnx.state(state) if isinstance(state, nnx.Module) else state
     inverse = _inverse(renames)
     flat = {
-        (k[0], *_rename(k[1:], inverse)): (v.get_value(), nnx_names(v))
+        (k[0], *rename_path(k[1:], inverse)): (v.get_value(), nnx_names(v))
         for k, v in nnx_flat_variables(state, collections).items()
     }
     if target is not None:

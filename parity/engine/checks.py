@@ -145,10 +145,12 @@ def _where_backward_parts(pair: Pair) -> Callable[[list[dict]], dict]:
     where the forward pass already differs, inside the first module whose output differs (every
     gradient downstream and upstream of it follows from it); otherwise in the last module, in
     execution order, whose gradients differ (the first the backward pass reaches: the modules
-    before it receive its cotangent). The largest error there. The forward records are compared
-    only when a gradient fails (the runs are the ones `grads` compared)."""
+    before it receive its cotangent). The largest error there. The inputs' gradients, which
+    the backward pass reaches last, are named only where no parameter's differs. The forward
+    records are compared only when a gradient fails (the runs are the ones `grads` compared)."""
 
     def pick(failing: list[dict]) -> dict:
+        failing = [r for r in failing if "/input_grads/" not in r["tensor"]] or failing
         forward_failing = [
             r
             for source in SOURCES
@@ -191,11 +193,12 @@ def forward(pair: Pair) -> CheckResult:
 
 
 def grads(pair: Pair) -> CheckResult:
-    """Every gradient leaf (NNX's mapped through the converter) and the global gradient norm,
-    NNX against Linen, from both weight sources."""
-    parts = (
-        ("grads", "grad_norm") if pair.run("linen", "linen").grad_norm is not None else ("grads",)
-    )
+    """Every gradient leaf (NNX's mapped through the converter), the global gradient norm and,
+    where a side reports them, the gradients of the inputs, NNX against Linen, from both weight
+    sources."""
+    run = pair.run("linen", "linen")
+    parts = ("grads", "grad_norm") if run.grad_norm is not None else ("grads",)
+    parts += ("input_grads",) if run.input_grads is not None else ()
     pick = _where_backward_parts(pair) if pair.module_of is not None else None
     return _both_sources(pair, "grads", parts, pick)
 
@@ -324,7 +327,10 @@ def train(
 def layers(pair: Pair) -> CheckResult:
     """Drill-down: the model cut into stages (`Side.drill_stages`), each fed on both sides the
     same input (Linen's output of the stage it reads from); every capture of every stage,
-    NNX against Linen, in execution order: the first divergence is named."""
+    NNX against Linen, in execution order: the first divergence is named. A capture of one
+    side alone is judged by `randomness.one_sided` against the other's in the same stage."""
+    from parity.engine.randomness import one_sided
+
     tol = pair.tolerance
     linen_stages = pair.linen.drill_stages(pair.weights("linen", "linen"))
     nnx_stages = pair.nnx.drill_stages(pair.weights("nnx", "linen"))
@@ -334,6 +340,7 @@ def layers(pair: Pair) -> CheckResult:
             f"{[s.name for s in nnx_stages]}"
         )
     records: list[dict] = []
+    details: list[dict] = []  # with the captures of one side that are not compared
     outputs: dict[str, Any] = {}
     previous: Any = None
     for linen_stage, nnx_stage in zip(linen_stages, nnx_stages, strict=True):
@@ -350,24 +357,21 @@ def layers(pair: Pair) -> CheckResult:
                 continue  # inside a bridged layer: that side captures only the layer's output
             fields = linen_stage.fields(name)
             if name not in linen_caps or name not in nnx_caps:
-                records.append(
-                    {
-                        "tensor": name,
-                        "passed": False,
-                        "max_rel": float("inf"),
-                        "mismatches": -1,
-                        "nonfinite": 0,
-                        "note": "captured on one side only",
-                    }
-                    | fields
-                )
+                differs, note = one_sided(name, linen_caps, nnx_caps)
+                record = {"tensor": name, "passed": not differs, "max_rel": 0.0, "note": note}
+                record |= fields
+                if differs:
+                    record |= {"max_rel": float("inf"), "mismatches": -1, "nonfinite": 0}
+                    records.append(record)
+                details.append(record)
                 continue
             diff = compare.leaf_diff(name, nnx_caps[name], linen_caps[name])
             records.append(
                 numeric_records(name, [dataclasses.replace(diff, path="")], tol)[0] | fields
             )
+            details.append(records[-1])
         outputs[linen_stage.name] = previous = linen_out
-    return verdict("layers", records, tol)
+    return dataclasses.replace(verdict("layers", records, tol), details=tuple(details))
 
 
 CHECKS: dict[str, Callable[..., CheckResult]] = {

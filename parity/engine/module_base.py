@@ -47,6 +47,10 @@ def mean_square_loss(outputs: Any) -> jax.Array:
     return total
 
 
+def is_float(leaf: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+
+
 def key_str(k: Any) -> str:
     for attr in ("key", "name", "idx"):
         if hasattr(k, attr):
@@ -159,13 +163,45 @@ class ModuleSide(Side):
 
     @functools.cached_property
     def step(self) -> Callable:
-        return jax.jit(jax.value_and_grad(self.loss, has_aux=True))
+        """`(params, state, rng, inputs) -> ((loss, aux), (parameter grads, input grads))`:
+        the input gradients of the floating-point arrays both sides get (`input_grads`)."""
+        shared = [self.call_inputs[i].shared for i in self.compared]
+
+        def value_and_grads(params, state, rng, inputs):
+            wrt = tuple(
+                {k: a for k, a in arrays.items() if k in labels and is_float(a)}
+                for (arrays, _), labels in zip(inputs, shared, strict=True)
+            )
+
+            def loss(params, wrt):
+                merged = tuple(
+                    ({**arrays, **w}, key) for (arrays, key), w in zip(inputs, wrt, strict=True)
+                )
+                return self.loss(params, state, rng, merged)
+
+            return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, wrt)
+
+        return jax.jit(value_and_grads)
+
+    def input_grads(self, grads: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+        """Input gradients by label (`0`, `mask`; `train/0` with several calls)."""
+        one = len(self.calls) == 1
+        return {
+            label if one else f"{self.calls[index].name}/{label}": g
+            for index, per_call in zip(self.compared, grads, strict=True)
+            for label, g in per_call.items()
+        }
 
     def run(self, weights: Any) -> Run:
         with self.context():
-            (loss, aux), grads = self.step(*self.args(weights))
+            (loss, aux), (grads, input_grads) = self.step(*self.args(weights))
         return Run(
-            loss, aux["outputs"], self.grads_common(grads), state=aux["state"], sown=aux["sown"]
+            loss,
+            aux["outputs"],
+            self.grads_common(grads),
+            state=aux["state"],
+            sown=aux["sown"],
+            input_grads=self.input_grads(input_grads),
         )
 
     def lowered(self, weights: Any) -> jax.stages.Lowered:
@@ -211,7 +247,7 @@ class ModuleSide(Side):
             label = self.input_label(path)
             if label is not None:
                 out[f"compiled input {label}"] = (sharding, len(aval.shape), None)
-        (_, aux), grads = compiled.output_shardings
+        (_, aux), (grads, input_grads) = compiled.output_shardings
         aux_infos = jax.tree.leaves(compiled.out_info[0][1])
         count = 0
         for (path, sharding), aval in zip(
@@ -226,10 +262,13 @@ class ModuleSide(Side):
                 out[f"compiled {part} {where}"] = (sharding, len(aval.shape), None)
         for (path, sharding), aval in zip(
             jax.tree_util.tree_flatten_with_path(grads)[0],
-            jax.tree.leaves(compiled.out_info[1]),
+            jax.tree.leaves(compiled.out_info[1][0]),
             strict=True,
         ):
             out[f"compiled grad {self.param_label(path)}"] = (sharding, len(aval.shape), None)
+        input_infos = self.input_grads(compiled.out_info[1][1])
+        for label, sharding in self.input_grads(input_grads).items():
+            out[f"compiled input grad {label}"] = (sharding, len(input_infos[label].shape), None)
         return out
 
     # ------------------------------------------------------------ training

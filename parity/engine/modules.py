@@ -24,6 +24,7 @@ from flax.nnx import bridge
 from migrate.checkpoints import convert
 from migrate.common import sharding as sharding_lib
 from parity.engine import bridges, hints, order
+from parity.engine import renames as rename_paths
 from parity.engine.calls import is_sown
 from parity.engine.module_base import (
     CallResult,
@@ -43,11 +44,9 @@ __all__ = ["LinenModuleSide", "LossFn", "NNXModuleSide", "mean_square_loss", "to
 
 
 def to_linen_path(path: Path, renames: Mapping[Path, Path]) -> Path:
-    """An NNX path in Linen's naming (the inverse of the `renames` prefix map)."""
-    for linen_prefix, nnx_prefix in renames.items():
-        if path[: len(nnx_prefix)] == tuple(nnx_prefix):
-            return (*linen_prefix, *path[len(nnx_prefix) :])
-    return path
+    """An NNX path in Linen's naming (the inverse of the `renames` prefix map): the longest
+    matching NNX prefix wins."""
+    return rename_paths.to_linen(path, renames)
 
 
 def plain_common(variables: Mapping[str, Any]) -> Any:

@@ -201,7 +201,16 @@ def renames(value: Any) -> dict[tuple[str, ...], tuple[str, ...]]:
                     f"renames {label} {_shown(path)} is not a tuple of names; write each path "
                     f"as a tuple, e.g. {example}"
                 )
-    return {tuple(k): tuple(v) for k, v in value.items()}
+    checked = {tuple(k): tuple(v) for k, v in value.items()}
+    sources: dict[tuple[str, ...], tuple[str, ...]] = {}
+    for linen, nnx_path in checked.items():
+        first = sources.setdefault(nnx_path, linen)
+        if first != linen:
+            raise PairArgumentError(
+                f"renames maps both {first!r} and {linen!r} to {nnx_path!r}; the NNX path "
+                "would have two Linen names: give each Linen prefix its own NNX prefix"
+            )
+    return checked
 
 
 def collections(value: Any, defaults: Mapping[str, type]) -> dict[str, type]:
@@ -218,7 +227,37 @@ def collections(value: Any, defaults: Mapping[str, type]) -> dict[str, type]:
     merged = {**defaults, **value}
     if merged.get("params") is not nnx.Param:
         raise PairArgumentError("collections['params'] must stay nnx.Param")
+    _one_collection_per_type(merged, defaults)
     return merged
+
+
+def _type_name(variable_type: type) -> str:
+    flax_own = variable_type.__module__.startswith("flax.nnx")
+    return f"nnx.{variable_type.__name__}" if flax_own else variable_type.__name__
+
+
+def _one_collection_per_type(merged: Mapping[str, type], defaults: Mapping[str, type]) -> None:
+    """Each NNX Variable type stands for one Linen collection: a type named twice would be
+    read as the first collection only (`convert.collection_of`), the other left empty."""
+    owner: dict[type, str] = {}
+    for name, variable_type in merged.items():
+        first = owner.setdefault(variable_type, name)
+        if first == name:
+            continue
+        shown = _type_name(variable_type)
+        fix = f"give {name!r} its own subclass of {shown}"
+        if first in defaults and first != "params":
+            fix = (
+                f"override the default instead (collections={{{first!r}: <another Variable "
+                f"type>, {name!r}: {shown}}}) or {fix}"
+            )
+            first = f"the default {first!r}"
+        else:
+            first = repr(first)
+        raise PairArgumentError(
+            f"collections maps both {first} and {name!r} to {shown}; one NNX Variable type "
+            f"stands for one Linen collection: {fix}"
+        )
 
 
 def unmapped_state(nnx_module: nnx.Module, mapped: Mapping[str, type]) -> None:

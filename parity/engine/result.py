@@ -161,7 +161,7 @@ def tree_records(
 
 
 def one_sided_record(tensor: str, note: str) -> dict:
-    """A leaf the two sides do not both have, or do not have in the same shape: failed."""
+    """A leaf the two sides do not both have, or not in the same shape or dtype: failed."""
     inf = float("inf")
     return {
         "tensor": tensor,
@@ -178,8 +178,8 @@ def one_sided_record(tensor: str, note: str) -> dict:
 @compare_timed
 def keyed_records(prefix: str, nnx: Any, linen: Any, tol: compare.Tolerance) -> list[dict]:
     """Records for two trees matched leaf by leaf on their paths (NNX against Linen), in
-    Linen's order: a leaf on one side only, or of another shape, is a failed record that says
-    which; two trees of the same structure give exactly `tree_records`'."""
+    Linen's order: a leaf on one side only, or of another shape or dtype, is a failed record
+    that says which; two trees of the same structure and dtypes give exactly `tree_records`'."""
     flat_nnx = {compare.path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(nnx)[0]}
     flat_linen = {compare.path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(linen)[0]}
     records = []
@@ -189,11 +189,18 @@ def keyed_records(prefix: str, nnx: Any, linen: Any, tol: compare.Tolerance) -> 
             side = "Linen" if path in flat_linen else "NNX"
             records.append(one_sided_record(tensor, f"on the {side} side only"))
             continue
-        shapes = [np.shape(distributed.to_host(x)) for x in (flat_nnx[path], flat_linen[path])]
-        if shapes[0] != shapes[1]:
-            records.append(one_sided_record(tensor, f"shape: Linen {shapes[1]} vs NNX {shapes[0]}"))
+        nnx_host, linen_host = (
+            np.asarray(distributed.to_host(flat[path])) for flat in (flat_nnx, flat_linen)
+        )
+        if nnx_host.shape != linen_host.shape:
+            note = f"shape: Linen {linen_host.shape} vs NNX {nnx_host.shape}"
+            records.append(one_sided_record(tensor, note))
             continue
-        diff = compare.leaf_diff(path, flat_nnx[path], flat_linen[path])
+        if nnx_host.dtype != linen_host.dtype:  # the same values in another dtype still differ
+            note = f"dtype: Linen {linen_host.dtype} vs NNX {nnx_host.dtype}"
+            records.append(one_sided_record(tensor, note))
+            continue
+        diff = compare.leaf_diff(path, nnx_host, linen_host)
         records += numeric_records(prefix, [diff], tol)
     return records
 

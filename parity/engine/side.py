@@ -59,7 +59,9 @@ class Run:
     computed on device from the (sharded) gradients, as gradient clipping computes it; `state`
     the non-parameter collections the call updated (batch statistics, caches); `sown` the
     intermediates the module sowed, by name; `aux_loss` an auxiliary loss inside `loss` (the
-    decoder's MoE load-balancing loss), compared as its own record."""
+    decoder's MoE load-balancing loss), compared as its own record; `input_grads` the loss's
+    gradients with respect to the floating-point inputs both sides get, by input label (a
+    module pair's: a parameter-free module, a detached residual)."""
 
     loss: Any
     outputs: Any
@@ -68,6 +70,7 @@ class Run:
     state: Any = None
     sown: Any = None
     aux_loss: Any = None
+    input_grads: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
