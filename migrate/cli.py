@@ -211,7 +211,10 @@ def _run(argv: Sequence[str]) -> int:
         return usage_error(
             f"{command}: expected {expected}, then key=value overrides; got {positional}"
         )
-    paths, overrides = positional[:count], positional[count:]
+    # Absolute from here on (against the working directory, symlinks kept): Orbax refuses a
+    # relative path, and every message then names the place unambiguously.
+    paths = [str(Path(p).absolute()) for p in positional[:count]]
+    overrides = positional[count:]
     source, target = (FLAGS["from"].value, FLAGS.to)
     if command == "convert" and (source is None or target is None):
         return usage_error("convert: --from and --to are required (linen or nnx)")

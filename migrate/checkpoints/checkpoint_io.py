@@ -162,7 +162,7 @@ def save_args(spec: Spec, state: TrainState) -> ocp.args.Composite:
 def save(path: str | Path, spec: Spec, state: TrainState) -> None:
     """Write `state` as a new checkpoint at `path` (Orbax refuses an existing one)."""
     with _checkpointer() as ckpt:
-        ckpt.save(Path(path), save_args(spec, state))
+        ckpt.save(Path(path).absolute(), save_args(spec, state))
 
 
 def _on_disk(path: Path) -> dict[str, dict[str, Leaf]]:
@@ -200,7 +200,7 @@ def _check_tying(path: Path, spec: Spec, meta: Mapping[str, Any]) -> None:
 def check_fits(path: str | Path, spec: Spec, meta: Mapping[str, Any], mesh: Mesh) -> None:
     """Raise unless the checkpoint at `path` holds `spec`'s trees: framework, layout, every
     path with its shape (named, first few), logical names, and dtypes."""
-    path = Path(path)
+    path = Path(path).absolute()  # Orbax refuses a relative path: never read as corruption
     if meta["framework"] != spec.framework or meta["layout"] != spec.layout:
         raise CheckpointError(
             f"{path}: holds {meta['framework']} trees in the {meta['layout']} layout, "
@@ -250,7 +250,7 @@ def restore(
 ) -> TrainState:
     """The checkpoint at `path` as `spec`'s twin objects, every array placed on `mesh` with the
     sharding its logical names resolve to, and checked against its recorded CRC32."""
-    path = Path(path)
+    path = Path(path).absolute()  # Orbax refuses a relative path: never read as corruption
     meta = read_meta(path) if meta is None else meta
     check_fits(path, spec, meta, mesh)
     template = abstract_state(spec, mesh)

@@ -101,7 +101,7 @@ def read(path: str | Path) -> dict[tuple[str, ...], np.ndarray]:
     what is missing or unreadable)."""
     import orbax.checkpoint as ocp
 
-    items = step_directory(path) / "items"
+    items = step_directory(Path(path).absolute()) / "items"  # Orbax refuses a relative path
     checkpointer = ocp.PyTreeCheckpointer()
     try:
         tree = checkpointer.metadata(items).item_metadata
