@@ -317,16 +317,13 @@ def _run_maxtext(positional: Sequence[str]) -> int:
     from parity.remote import maxtext_config
 
     config = maxtext_config.load(positional[0], positional[1:])
-    selected = (
-        _select_checks(maxtext_config.CHECK_NAMES) if FLAGS.checks else list(maxtext_config.CHECKS)
-    )
+    given = FLAGS.checks is not None  # `--checks=` (empty) is refused, as without --maxtext
+    selected = _select_checks(maxtext_config.CHECK_NAMES) if given else list(maxtext_config.CHECKS)
     if isinstance(selected, str):
         return usage_error(selected)
-    local_only = set(remote_environments.LOCAL_ONLY) - set(maxtext_config.OWN_CHECKS)
-    local_only = [c for c in selected if c in local_only]
-    if local_only:
-        progress(f"not across processes, skipped: {', '.join(local_only)}")
-    selected = [c for c in selected if c not in local_only]
+    selected, skipped = maxtext_config.runnable(selected)  # BadInput when none can run
+    if skipped:
+        progress(f"not with --maxtext (the twins' checks), skipped: {', '.join(skipped)}")
     environments = maxtext_config.environments(FLAGS)
     outputs = _outputs(config.model_name)
     if FLAGS.dry_run:
@@ -337,11 +334,12 @@ def _run_maxtext(positional: Sequence[str]) -> int:
     from parity.decoder import runner  # JAX starts here
     from parity.engine import compiles
     from parity.engine.result import EXIT_STATUS
-    from parity.remote import maxtext_pair
+    from parity.remote import client, maxtext_pair
     from parity.reports import report
 
     compiles.use_compilation_cache(FLAGS.compilation_cache_dir)  # the workers compile through it
-    pair = maxtext_pair.MaxTextPair(config, environments)
+    with client.closed_on_failure():  # a side that fails to start stops the other one too
+        pair = maxtext_pair.MaxTextPair(config, environments)
     progress(f"{config.describe()}; sides: {pair.workers.describe(environments)}")
     try:
         results, costs = runner.run_checks(pair, selected, FLAGS.steps, drill_down=False)
@@ -350,7 +348,7 @@ def _run_maxtext(positional: Sequence[str]) -> int:
         pair.workers.close()
     report.render_table(results, config.model_name, costs=costs)
     status = max(EXIT_STATUS[r.status] for r in results)
-    return max(status, outputs.write(results, config.model_name, costs))
+    return max(status, outputs.write(results, config.model_name, costs, {"sides": pair.sides()}))
 
 
 def main() -> None:

@@ -51,6 +51,9 @@ def test_maxtext_linen_and_nnx_releases_agree(config, tmp_path):
     for name in ("forward", "grads", "train"):
         assert checks[name]["message"] == "identical computation: bit-exact", name
     assert "maxtext 0.2.3" in err and "maxtext 0.2.5" in err
+    assert {side: report["sides"][side]["maxtext"] for side in ("linen", "nnx")} == (
+        maxtext_config.RELEASES
+    )
     # every program ran in a worker: its compile (or cache read) counts in the run's cost
     assert {p.partition("/")[0] for p in report["cost"]["programs"]} == {"linen", "nnx"}
 

@@ -16,13 +16,15 @@ import collections
 import contextlib
 import os
 import queue
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +36,44 @@ STDERR_LINES = 200
 
 
 class WorkerError(Exception):
-    """An exception the worker reported: `where` is `model` (the side's own code) or `worker`
-    (the server), `remote_type` and `detail` the worker's exception and traceback."""
+    """An exception the worker reported: `where` is `model` (the side's own code), `config`
+    (its release reading the config or building its mesh: `release` names it) or `worker` (the
+    server), `remote_type` and `detail` the worker's exception and traceback."""
 
     def __init__(self, name: str, error: dict[str, Any]) -> None:
         self.worker = name
         self.where = error.get("where", "worker")
+        self.release = str(error.get("release", ""))
         self.remote_type = str(error.get("type", "Exception"))
         self.remote_module = str(error.get("module", ""))
         self.detail = str(error.get("detail", ""))
         super().__init__(str(error.get("message", "")))
+
+
+_UNKNOWN_KEY = re.compile(r"""^["']?'([^']+)' not in '""")
+_PYDANTIC = re.compile(r"^(\d+) validation errors? for \w+$")
+
+
+def config_error_line(message: str) -> str:
+    """A release's refusal of a config as one short line: of a pydantic validation error its
+    first field line (`field: message`, without pydantic's `[type=...]` tail), of an unknown key
+    (MaxText lists every valid key after it) just the key, else the first line, shortened."""
+    lines = [line for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return "(no message)"
+    if match := _UNKNOWN_KEY.match(lines[0]):
+        return f"unknown key {match[1]!r}"
+    header = _PYDANTIC.match(lines[0].strip())
+    if header and len(lines) > 1:
+        field, text = "", lines[1]
+        if not lines[1].startswith(" ") and len(lines) > 2:  # `field` then its indented message
+            field, text = lines[1].strip() + ": ", lines[2]
+        text = re.sub(r"\s*\[type=.*$", "", text.strip())
+        more = int(header[1]) - 1
+        line = field + text + (f" (and {more} more validation errors)" if more > 0 else "")
+    else:
+        line = lines[0].strip()
+    return line if len(line) <= 300 else line[:297] + "..."
 
 
 def check_interpreter(python: str) -> str:
@@ -71,6 +101,7 @@ class Worker:
         self.python = check_interpreter(python)
         self.name, self.timeout_s, self.start_timeout_s = name, timeout_s, start_timeout_s
         self.directory = Path(tempfile.mkdtemp(prefix=f"parity-worker-{name}-"))
+        _STARTED.append(weakref.ref(self))
         paths = [str(Path(p).resolve()) for p in (*pythonpath, REPO)]
         environment = {**os.environ, **(env or {})}
         environment["PYTHONPATH"] = os.pathsep.join(paths)
@@ -164,9 +195,15 @@ class Worker:
     def start(self, factory: str, options: dict[str, Any], batch: Any) -> dict[str, Any]:
         """Build the worker's side: `factory(options, batch)` in the worker's environment."""
         manifest = self.send_tree({"batch": batch})
-        return self.call(
-            "start", self.start_timeout_s, factory=factory, options=options, batch=manifest
-        )
+        try:
+            return self.call(
+                "start", self.start_timeout_s, factory=factory, options=options, batch=manifest
+            )
+        except WorkerError as e:  # the release refused the config: bad input, not a bug
+            if e.where != "config":
+                raise
+            who = f"{e.release} (the {self.name} side)" if e.release else f"the {self.name} side"
+            raise BadInput(f"{who} rejects the config: {config_error_line(str(e))}") from None
 
     def send_tree(self, tree: Any, names: dict | None = None) -> dict[str, Any]:
         start = time.perf_counter()
@@ -221,6 +258,23 @@ def compilation_cache_variables() -> dict[str, str]:
     }
 
 
+_STARTED: list[weakref.ref[Worker]] = []  # every worker this process started, in order
+
+
+@contextlib.contextmanager
+def closed_on_failure() -> Iterator[None]:
+    """Every worker started inside the block is closed (stopped, its temporary directory
+    removed) when the block raises: a pair whose second side failed to start leaves nothing."""
+    first = len(_STARTED)
+    try:
+        yield
+    except BaseException:
+        for ref in _STARTED[first:]:
+            if (worker := ref()) is not None:
+                worker.close()
+        raise
+
+
 class WorkerSet(dict):
     """The workers of a pair's sides, by framework: started from their environments, what they
     cost, closed together."""
@@ -241,7 +295,12 @@ class WorkerSet(dict):
         env = {**compilation_cache_variables(), **(variables or {})}
         worker = Worker(where.python, framework, paths, env=env, timeout_s=where.timeout_s)
         self[framework] = worker
-        worker.info = worker.start(factory, {**options, "patch": where.patch}, batch)
+        try:
+            worker.info = worker.start(factory, {**options, "patch": where.patch}, batch)
+        except BaseException:
+            worker.close()  # a failed start leaves no process and no temporary directory
+            self.pop(framework, None)
+            raise
         return worker
 
     def call_and_transfer_seconds(self) -> tuple[float, float]:

@@ -4,12 +4,15 @@ JAX starts: an interpreter that is there and runs, a checkout that holds the pro
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from migrate.errors import BadInput
-from parity.remote.client import check_interpreter
+from parity.remote.client import REPO, check_interpreter
 
 SIDES = ("linen", "nnx")
 # The checks that call the twins' functions in the harness's process (pipeline against
@@ -28,6 +31,35 @@ class Environment:
     patch: str | None = None
     timeout_s: float = 600.0
     extra_paths: tuple[str, ...] = ()  # importable by the worker after `path` (the patch's)
+
+
+# Run by the interpreter a side's worker would run in: "missing" where `module` is not
+# importable there (found, not imported: nothing of it runs).
+_PROBE = (
+    "import importlib.util, sys; "
+    "print('found' if importlib.util.find_spec(sys.argv[1]) else 'missing')"
+)
+
+
+def require_module(python: str, module: str, what: str, paths: Sequence[str] = ()) -> None:
+    """BadInput (`WHAT: has no MODULE installed`) when `python`, with `paths` first on its path
+    as its worker's, cannot import `module`. An interpreter that cannot answer the question (it
+    fails or hangs) is left to its worker, which reports what happens there."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, str(REPO)])}
+    try:
+        done = subprocess.run(
+            [python, "-c", _PROBE, module],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=os.sep,  # not the caller's directory: a checkout there would answer for it
+            timeout=120,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return
+    if done.returncode == 0 and done.stdout.strip() == "missing":
+        name = "MaxText" if module == "maxtext" else module
+        raise BadInput(f"{what}: has no {name} installed (No module named {module!r})")
 
 
 def checkout(path: str, flag: str) -> str:

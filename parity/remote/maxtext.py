@@ -13,15 +13,18 @@ construction are MaxText's; the rest is this module's, the same on both sides):
 - `trainer`: the optimizer of `maxtext.optimizers.optimizers.get_optimizer` (its learning-rate
   schedule from `maxtext_utils.create_learning_rate_schedule`) in a jitted step of this module.
 
-Options: `framework` (`linen`: the release must build a pure Linen decoder; `nnx`), `overrides`
-(MaxText keys), `patch` (`module:function` called first: a test's injected bug).
+Options: `framework` (`linen`, `nnx`: a pure decoder of that kind, else `make` raises
+`WrongRelease`), `overrides` (MaxText keys), `patch` (`module:function` called first: a test's
+injected bug).
 Imports MaxText only inside `make` (the harness imports this module's name, never MaxText).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+from importlib import metadata
 from typing import Any
 
 from parity.remote import protocol
@@ -60,7 +63,7 @@ class MaxTextSide:
 
         self.framework, self.config, self.mesh, self.batch = framework, config, mesh, batch
         self.rules = config.logical_axis_rules
-        self._context = lambda: _Both(jax.set_mesh(mesh), nn_partitioning.axis_rules(self.rules))
+        self._context = lambda: _both(jax.set_mesh(mesh), nn_partitioning.axis_rules(self.rules))
         schedule = maxtext_utils.create_learning_rate_schedule(config)
         self.tx = optimizers.get_optimizer(config, schedule)
         self._own: Any = None
@@ -70,9 +73,7 @@ class MaxTextSide:
 
     def _build(self) -> Any:
         """(native boxed variables or NNX Param state, the apply function over plain params)."""
-        import flax.linen as nn
         import jax
-        import jax.numpy as jnp
         from flax import nnx
         from maxtext.utils import model_creation_utils
 
@@ -80,13 +81,7 @@ class MaxTextSide:
         with self._context():
             if self.framework == "linen":
                 model = model_creation_utils.from_config(self.config, mesh=self.mesh)
-                if not isinstance(model, nn.Module) or "ToLinen" in type(model).__name__:
-                    raise ValueError(
-                        f"this MaxText release builds {type(model).__name__}, not a Linen decoder"
-                    )
-                streams = ("params", "dropout", "aqt")
-                keys = dict(zip(streams, jax.random.split(jax.random.key(0), 3), strict=True))
-                ones = jnp.ones(shape, jnp.int32)
+                keys, ones = _init_inputs(shape)
                 boxed = jax.jit(lambda: model.init(keys, ones, ones))()
 
                 def call(plain: Any, batch: Any) -> tuple[Any, Any]:
@@ -204,13 +199,9 @@ class MaxTextSide:
         return state
 
     def plain(self, tree: Any) -> Any:
-        import flax.linen as nn
         import jax
-        from flax import nnx
 
-        if isinstance(tree, nnx.State):
-            tree = {"params": nnx.to_pure_dict(tree)}
-        return jax.device_get(nn.meta.unbox(tree))
+        return jax.device_get(self._plain_params(tree))
 
     def _plain_params(self, weights: Any) -> Any:
         import flax.linen as nn
@@ -298,8 +289,8 @@ class MaxTextSide:
 
         with self._context():
             opt_state = self.tx.init(params)
-        return Trainer(params, opt_state, _InContext(jax.jit(step), self._context),
-                       _InContext(jax.jit(evaluate), self._context))  # fmt: skip
+        return Trainer(params, opt_state, _in_context(jax.jit(step), self._context),
+                       _in_context(jax.jit(evaluate), self._context))  # fmt: skip
 
     def drill_stages(self, weights: Any) -> list:
         return []
@@ -308,30 +299,21 @@ class MaxTextSide:
         return None
 
 
-class _Both:
+@contextlib.contextmanager
+def _both(first: Any, second: Any) -> Any:
     """Two context managers as one."""
-
-    def __init__(self, first: Any, second: Any) -> None:
-        self.first, self.second = first, second
-
-    def __enter__(self) -> None:
-        self.first.__enter__()
-        self.second.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.second.__exit__(*exc)
-        self.first.__exit__(*exc)
+    with first, second:
+        yield
 
 
-class _InContext:
+def _in_context(fn: Any, context: Any) -> Any:
     """A jitted function called under MaxText's mesh and rules."""
 
-    def __init__(self, fn: Any, context: Any) -> None:
-        self.fn, self.context = fn, context
+    def call(*args: Any) -> Any:
+        with context():
+            return fn(*args)
 
-    def __call__(self, *args: Any) -> Any:
-        with self.context():
-            return self.fn(*args)
+    return call
 
 
 def _flat(tree: Any, keep_boxes: bool = False) -> dict[tuple[str, ...], Any]:
@@ -365,4 +347,54 @@ def make(options: dict[str, Any], batch: Any) -> tuple[MaxTextSide, Any]:
     def place_batch(host: dict) -> dict:
         return {k: jax.device_put(v, data) for k, v in host.items()}
 
-    return MaxTextSide(options["framework"], config, mesh, place_batch(batch)), place_batch
+    side = MaxTextSide(options["framework"], config, mesh, place_batch(batch))
+    with side._context():  # a release that builds the other kind of decoder: bad input
+        _check_release(options["framework"], config, mesh, batch["inputs"].shape)
+    return side, place_batch
+
+
+class WrongRelease(ValueError):
+    """This release does not build its side's kind of decoder (the harness: bad input)."""
+
+
+def _init_inputs(shape: tuple) -> tuple[dict, Any]:
+    import jax
+
+    keys, ones = jax.random.split(jax.random.key(0), 3), jax.numpy.ones(shape, "int32")
+    return dict(zip(("params", "dropout", "aqt"), keys, strict=True)), ones
+
+
+def _check_release(framework: str, config: Any, mesh: Any, shape: tuple) -> None:
+    """`WrongRelease` where this release builds no pure `framework` decoder. 0.2.5's Linen
+    `TransformerLinen` is a `ToLinen` over its NNX `Transformer` (init: plain params); flax's
+    bridge leaves `NNXMeta` boxes; 0.2.3's NNX `Transformer` holds a `ToNNX` decoder."""
+    import flax.linen as nn
+    import jax
+    from flax import nnx
+    from maxtext.utils import model_creation_utils as creation
+
+    kinds = ("Linen", "NNX") if framework == "linen" else ("NNX", "Linen")
+    side = f"the {kinds[0]} side (maxtext {metadata.version('maxtext')}) builds"
+    bridge = lambda node, name: any(c.__name__ == name for c in type(node).__mro__)
+    if framework == "linen":
+        model = creation.from_config(config, mesh=mesh)
+        if not isinstance(model, nn.Module):
+            raise WrongRelease(f"{side} {type(model).__name__}, not a Linen module")
+        inside = [f"{type(model).__name__} is a ToLinen"] if bridge(model, "ToLinen") else []
+        if not inside:  # flax's own bridge: NNX state in `NNXMeta` boxes, or an `nnx` collection
+            keys, ones = _init_inputs(shape)
+            shapes = jax.eval_shape(lambda: model.init(keys, ones, ones))
+            is_meta = lambda x: isinstance(x, nn.meta.AxisMetadata)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_meta)[0]:
+                where = "/".join(str(getattr(p, "key", p)) for p in path)
+                if type(leaf).__module__.startswith("flax.nnx") or where.startswith("nnx/"):
+                    inside.append(f"{where}: {type(leaf).__name__}")
+    else:
+        rngs = lambda: nnx.Rngs(params=0, dropout=1, aqt=2)  # made inside the abstract trace
+        model = nnx.eval_shape(lambda: creation.from_config(config, mesh=mesh, rngs=rngs()))
+        if not isinstance(model, nnx.Module):
+            raise WrongRelease(f"{side} {type(model).__name__}, not an NNX module")
+        graph = nnx.iter_graph(model)
+        inside = [f"ToNNX at {'/'.join(map(str, p))}" for p, n in graph if bridge(n, "ToNNX")]
+    if inside:
+        raise WrongRelease(f"{side} a decoder with {kinds[1]} modules inside ({inside[0]})")

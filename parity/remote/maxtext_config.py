@@ -24,6 +24,7 @@ from migrate.config import safe_load
 from migrate.errors import BadInput
 from parity.decoder import catalog
 from parity.remote.client import REPO
+from parity.remote.environments import LOCAL_ONLY
 
 MAX_BYTES = 1 << 16
 REQUIRED = ("per_device_batch_size", "max_target_length", "vocab_size")
@@ -110,7 +111,7 @@ def environments(flags: Any) -> dict[str, Any]:
     """Each release's environment: `--{side}_python` (and `--{side}_path`), else the one
     `make maxtext-envs` built; BadInput when neither is there."""
     from parity.remote.client import check_interpreter
-    from parity.remote.environments import Environment, checkout
+    from parity.remote.environments import Environment, checkout, require_module
 
     if flags["num_processes"].value > 1 or flags["checkpoint"].value is not None:
         raise BadInput("--maxtext runs in one process, on the releases' own initialisations")
@@ -122,13 +123,31 @@ def environments(flags: Any) -> dict[str, Any]:
                 f"--maxtext: no MaxText {release} environment for the {side} side; run "
                 f"`make maxtext-envs` or pass --{side}_python"
             )
+        given = flags[f"{side}_python"].value
+        what = f"--{side}_python={given}" if given else f"the {side} side's interpreter {python}"
         path = flags[f"{side}_path"].value
         out[side] = Environment(
             python=check_interpreter(python),
             path=checkout(path, f"{side}_path") if path else None,
             timeout_s=flags["worker_timeout_s"].value,
         )
+        require_module(out[side].python, "maxtext", what, [out[side].path] if path else [])
     return out
+
+
+def runnable(selected: list[str]) -> tuple[list[str], list[str]]:
+    """(the selected checks this gate runs, those it cannot: they call the project's twins in
+    the harness's process); BadInput when none is left to run."""
+    local = set(LOCAL_ONLY) - set(OWN_CHECKS)
+    cannot = [c for c in selected if c in local]
+    runs = [c for c in selected if c not in local]
+    if not runs:
+        raise BadInput(
+            f"--checks={','.join(selected)}: none of these runs with --maxtext "
+            f"({', '.join(cannot)} call the project's twins in this process, not MaxText's "
+            f"releases); --maxtext runs: {', '.join(c for c in CHECK_NAMES if c not in local)}"
+        )
+    return runs, cannot
 
 
 def batch(keys: dict[str, Any], devices: int, seed: int, step: int, split: str) -> dict:

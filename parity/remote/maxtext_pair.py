@@ -14,11 +14,13 @@ from __future__ import annotations
 from typing import Any
 
 from migrate.checkpoints.weight_map import Entry, WeightMap
+from migrate.errors import BadInput
 from parity.analysis import compare
 from parity.decoder.session import vacuity_problems
 from parity.engine.pair import Pair
 from parity.engine.side import Run
-from parity.remote.client import WorkerSet
+from parity.remote import maxtext_config
+from parity.remote.client import WorkerError, WorkerSet
 from parity.remote.environments import Environment
 from parity.remote.maxtext_config import MaxTextConfig, batch
 from parity.remote.side import RemoteSide
@@ -73,8 +75,21 @@ class MaxTextPair(Pair):
         started = started or {}
         for framework, side in started.items():
             self.workers[framework] = side.worker
-        sides = [started.get(f) or self._side(f) for f in ("linen", "nnx")]
+        try:
+            sides = [started.get(f) or self._side(f) for f in ("linen", "nnx")]
+        except BaseException:
+            self.workers.close()
+            raise
         super().__init__(*sides, TOLERANCE)
+
+    def sides(self) -> dict[str, dict[str, Any]]:
+        """Per side, what its worker runs: MaxText's, Python's, JAX's and flax's versions, and
+        its interpreter (the JSON report's `sides`)."""
+        keys = ("maxtext", "python", "jax", "flax")
+        return {
+            side: {**{k: w.info[k] for k in keys if k in w.info}, "interpreter": w.python}
+            for side, w in self.workers.items()
+        }
 
     def _side(self, framework: str) -> RemoteSide:
         env = self.environments[framework]
@@ -100,9 +115,18 @@ def start_side(
     """One release's side of `config`, in a worker of `env` added to `workers`."""
     options = {"framework": framework, "overrides": config.keys}
     first_batch = batch(config.keys, config.num_devices, seed, 0, "train")
-    worker = workers.start(
-        framework, env, FACTORY, options, first_batch, {"DECOUPLE_GCLOUD": "TRUE"}
-    )
+    try:
+        worker = workers.start(
+            framework, env, FACTORY, options, first_batch, {"DECOUPLE_GCLOUD": "TRUE"}
+        )
+    except WorkerError as e:  # `maxtext.WrongRelease`: the release builds the other decoder
+        if e.remote_type != "WrongRelease":
+            raise
+        kind = {"linen": "Linen", "nnx": "NNX"}[framework]
+        raise BadInput(
+            f"{e}: run the {kind} side on a release whose decoder is {kind} "
+            f"({maxtext_config.RELEASES[framework]})"
+        ) from None
     return RemoteSide(worker, framework, RELEASES if framework == "nnx" else None)
 
 

@@ -9,11 +9,12 @@ puts a host batch where the side's programs want it.
 Requests arrive on stdin, one JSON object per line: `{"op": ..., ...}`; each gets exactly one
 reply line on stdout: `{"ok": {...}}` or `{"error": {"type", "module", "message", "detail",
 "where"}}`, `where` being `model` for an exception of the side's own code (its model, its
-converters) and `worker` for one of this server; with `"compiles"`, the XLA compilations the
-call made (`parity.engine.compiles` events), which the harness counts as its own. Anything
-else the side prints goes to stderr (stdout is the protocol's). Native weights, trainers and
-optimizer states stay here, under integer handles; only the common form, plain trees and
-results travel.
+converters), `config` for one its release raised reading the config or building its mesh
+(`CONFIG_READERS`: bad input; with `release`), and `worker` for one of this server; with
+`"compiles"`, the XLA compilations the call made (`parity.engine.compiles` events), which the
+harness counts as its own. Anything else the side prints goes to stderr (stdout is the
+protocol's). Native weights, trainers and optimizer states stay here, under integer handles;
+only the common form, plain trees and results travel.
 
 Imports nothing of the project at the top but `parity.remote.protocol` (stdlib and numpy): the
 factory brings what its side needs.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import itertools
 import sys
 import time
 import traceback
@@ -35,11 +37,34 @@ from parity.remote import protocol
 
 
 class _ModelError(Exception):
-    """An exception of the served side's own code, carried to the reply."""
+    """An exception of the served side's own code, carried to the reply: `where` `model`, or
+    `config` for one its release raised reading the config or building the mesh (`facts`: the
+    release, added to the reply)."""
 
-    def __init__(self, error: BaseException) -> None:
+    def __init__(self, error: BaseException, where: str = "model", **facts: str) -> None:
         super().__init__(str(error))
-        self.error = error
+        self.error, self.where, self.facts = error, where, facts
+
+
+# What a factory calls to read its config and build its mesh (module, function): an exception
+# raised inside one of these, called by the factory itself, is the config's fault (bad input),
+# not the tool's. MaxText's `pyconfig.initialize` (unknown keys, pydantic validation) and
+# `get_mesh_from_config` (`parity.remote.maxtext.make`).
+CONFIG_READERS = (
+    ("maxtext.configs.pyconfig", "initialize"),
+    ("maxtext.utils.maxtext_utils", "get_mesh_from_config"),
+)
+
+
+def raised_reading_config(error: BaseException, factory: Callable) -> bool:
+    """Whether `error` came out of a `CONFIG_READERS` call made by `factory` itself."""
+    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
+    code = getattr(factory, "__code__", None)
+    for caller, called in itertools.pairwise(frames):
+        if caller.f_code is code:
+            where = (called.f_globals.get("__name__"), called.f_code.co_name)
+            return where in CONFIG_READERS
+    return False
 
 
 def _model(call: Callable[[], Any]) -> Any:
@@ -132,19 +157,25 @@ class Server:
 
         compiles.listen()
         self.compiles = compiles
+        from importlib import metadata
+
         module_name, _, function = factory.partition(":")
         make = getattr(importlib.import_module(module_name), function)
         host_batch = protocol.nest(protocol.read_tree(self.directory, batch)[0])
-        self.side, self.place_batch = _model(lambda: make(options, host_batch.get("batch")))
-        from importlib import metadata
-
-        import flax
-        import jax
-
         packages = {}
         for name in ("maxtext",):
             with contextlib.suppress(metadata.PackageNotFoundError):
                 packages[name] = metadata.version(name)
+        try:
+            self.side, self.place_batch = make(options, host_batch.get("batch"))
+        except Exception as e:
+            if not raised_reading_config(e, make):
+                raise _ModelError(e) from e
+            release = " ".join(f"{k} {v}" for k, v in packages.items())
+            raise _ModelError(e, "config", release=release) from e
+        import flax
+        import jax
+
         return {
             **packages,
             "framework": self.side.framework,
@@ -310,6 +341,7 @@ def _error_reply(error: BaseException, where: str) -> dict:
     inner = error.error if isinstance(error, _ModelError) else error
     return {
         "error": {
+            **(error.facts if isinstance(error, _ModelError) else {}),
             "type": type(inner).__name__,
             "module": type(inner).__module__,
             "message": str(inner)[:20_000],
@@ -336,7 +368,7 @@ def serve(server: Server, requests: io.TextIOBase, replies: io.TextIOBase) -> No
             with contextlib.redirect_stdout(sys.stderr):
                 reply = {"ok": handler(**message)}
         except _ModelError as e:
-            reply = _error_reply(e, "model")
+            reply = _error_reply(e, e.where)
         except Exception as e:
             reply = _error_reply(e, "worker")
         with contextlib.suppress(Exception):  # what it cost never costs the reply

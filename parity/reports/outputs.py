@@ -69,14 +69,20 @@ class Outputs:
             elif self.golden.is_dir():
                 raise BadInput(f"--golden: {self.golden} is a directory")
 
-    def write(self, results: Sequence[Any], name: str, costs: Sequence[dict[str, Any]]) -> int:
-        """Each requested report (`costs`: per result, `compiles.Cost.as_json()`); the exit
-        status of those that could not be written (named on stderr), EXIT_PASS when all
-        were."""
+    def write(
+        self,
+        results: Sequence[Any],
+        name: str,
+        costs: Sequence[dict[str, Any]],
+        facts: dict[str, Any] | None = None,
+    ) -> int:
+        """Each requested report (`costs`: per result, `compiles.Cost.as_json()`; `facts`: the
+        JSON report's top-level fields of the run); the exit status of those that could not be
+        written (named on stderr), EXIT_PASS when all were."""
         status = EXIT_PASS
         durations = [cost["wall_seconds"] for cost in costs]
         writers = (
-            ("--json", self.json, lambda p: report.write_json(results, name, p, costs)),
+            ("--json", self.json, lambda p: report.write_json(results, name, p, costs, facts)),
             ("--junit", self.junit, lambda p: report.write_junit(results, name, p, durations)),
             ("--plot", self.plot, lambda p: report.write_plot(results, name, p)),
         )

@@ -12,7 +12,7 @@ import math
 import re
 import sys
 import xml.etree.ElementTree as ET
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,10 +112,14 @@ def total_cost(costs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def to_json(
-    results: Sequence[Any], name: str, costs: Sequence[dict[str, Any]] | None = None
+    results: Sequence[Any],
+    name: str,
+    costs: Sequence[dict[str, Any]] | None = None,
+    facts: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The versioned machine-readable report; with `costs` (one `compiles.Cost.as_json()` per
-    result), each check's `cost` and the run's total."""
+    result), each check's `cost` and the run's total; `facts`: top-level fields of the run
+    (`--maxtext`: the `sides`)."""
     report = {
         "version": JSON_SCHEMA_VERSION,
         "config": name,
@@ -138,6 +142,7 @@ def to_json(
             for r in results
         ],
     }
+    report.update(facts or {})
     if costs is not None:
         for check, cost in zip(report["checks"], costs, strict=True):
             check["cost"] = cost
@@ -150,10 +155,10 @@ def write_json(
     name: str,
     path: str | Path,
     costs: Sequence[dict[str, Any]] | None = None,
+    facts: Mapping[str, Any] | None = None,
 ) -> None:
-    Path(path).write_text(
-        json.dumps(to_json(results, name, costs), indent=2, sort_keys=True, default=str) + "\n"
-    )
+    report = to_json(results, name, costs, facts)
+    Path(path).write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def write_junit(
