@@ -42,8 +42,7 @@ from migrate.errors import EXIT_PASS
 from parity.analysis import compare
 from parity.engine import checks as engine_checks
 from parity.engine import order, pair_args, programs, randomness
-from parity.engine.calls import DEFAULT_COLLECTIONS, Call, Randomness, named
-from parity.engine.module_base import is_float
+from parity.engine.calls import DEFAULT_COLLECTIONS, Call, Randomness, is_float, named
 from parity.engine.modules import LinenModuleSide, LossFn, NNXModuleSide, mean_square_loss
 from parity.engine.pair import Pair, vacuity_problems
 from parity.engine.pair_args import PairArgumentError
@@ -219,6 +218,10 @@ def _run_check(pair: ModulePair, name: str) -> CheckResult:
     try:
         check = AVAILABLE[name]
         result = check(pair, TRAIN_STEPS) if name == "train" else check(pair)
+        errors = {s.input_grads_error for s in pair.sides() if s.input_grads_error}
+        if name == "grads" and errors:  # the parameters' gradients were still compared
+            note = f"the inputs' gradients not compared ({'; '.join(sorted(errors))})"
+            result = dataclasses.replace(result, message=f"{result.message}; {note}")
         return _with_calls_not_run(result, pair) if name in RUNS_CALLS else result
     except ConversionError as error:  # paths that differ: suggest the renames that fit
         return _with_renames(errored(name, error), pair)

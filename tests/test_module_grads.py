@@ -155,3 +155,35 @@ def test_an_output_in_another_dtype_fails_forward_though_its_values_agree():
     assert (forward.passed, forward.where) == (False, "linen-init/outputs/1")
     record = next(d for d in forward.details if not d["passed"])
     assert record["note"] == "dtype: Linen float32 vs NNX bfloat16"
+
+
+class LinenLoop(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        # A trip count read from the input: no reverse mode through it, for the input.
+        y = jax.lax.while_loop(
+            lambda c: c[1] < x[0, 0] + 2, lambda c: (c[0] * 0.5, c[1] + 1), (x, 0.0)
+        )
+        return nn.Dense(4, name="d")(y[0] + 1.0)
+
+
+class NNXLoop(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.d = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        y = jax.lax.while_loop(
+            lambda c: c[1] < x[0, 0] + 2, lambda c: (c[0] * 0.5, c[1] + 1), (x, 0.0)
+        )
+        return self.d(y[0] + 1.0)
+
+
+def test_inputs_without_a_gradient_leave_the_parameters_compared_and_say_why():
+    results = compare_modules(LinenLoop(), NNXLoop(rngs=nnx.Rngs(0)), (X,))
+    assert exit_status(results) == 0, [(r.name, r.message) for r in results]
+    grads = next(r for r in results if r.name == "grads")
+    assert [d["tensor"] for d in grads.details][:2] == [
+        "linen-init/grads/d/bias",
+        "linen-init/grads/d/kernel",
+    ]
+    assert "the inputs' gradients not compared (" in grads.message

@@ -123,6 +123,11 @@ def is_array(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray))
 
 
+def is_float(leaf: Any) -> bool:
+    """A floating-point array (or tracer): one whose gradient can be taken."""
+    return jax.numpy.issubdtype(jax.numpy.result_type(leaf), jax.numpy.inexact)
+
+
 @dataclasses.dataclass(frozen=True)
 class CallInputs:
     """One side's arguments of one call, split into the arrays (traced, labelled by where

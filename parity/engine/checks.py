@@ -23,6 +23,7 @@ from parity.engine.result import (
     exact_records,
     keyed_records,
     numeric_records,
+    one_sided_record,
     ranked_errors,
     tree_records,
     verdict,
@@ -369,6 +370,11 @@ def layers(pair: Pair) -> CheckResult:
             records.append(
                 numeric_records(name, [dataclasses.replace(diff, path="")], tol)[0] | fields
             )
+            details.append(records[-1])
+        if (linen_caps or nnx_caps) and not set(linen_caps) & set(nnx_caps):
+            # Nothing in common: no capture compared says nothing about this stage.
+            note = f"no capture on both sides (Linen {len(linen_caps)}, NNX {len(nnx_caps)})"
+            records.append(one_sided_record(f"stage {linen_stage.name}", note))
             details.append(records[-1])
         outputs[linen_stage.name] = previous = linen_out
     return dataclasses.replace(verdict("layers", records, tol), details=tuple(details))

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 
 from migrate.checkpoints import convert
 from migrate.config.contract import Rules
-from parity.engine.calls import ByCall, Call, CallInputs, call_keys, draw_keys
+from parity.engine.calls import ByCall, Call, CallInputs, call_keys, draw_keys, is_float
 from parity.engine.side import DrillStage, ProgramArray, Run, Side, Trainer
 from parity.multiprocess import distributed
 
@@ -45,10 +45,6 @@ def mean_square_loss(outputs: Any) -> jax.Array:
         if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.inexact):
             total = total + jnp.mean(jnp.square(jnp.asarray(leaf, jnp.float32)))
     return total
-
-
-def is_float(leaf: Any) -> bool:
-    return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
 
 
 def key_str(k: Any) -> str:
@@ -95,6 +91,7 @@ class ModuleSide(Side):
         self.call_inputs = [CallInputs.of(c, self.framework) for c in self.calls]
         self.keys = call_keys(self.calls, seed)
         self.compared = [i for i, c in enumerate(self.calls) if c.compared_exactly]
+        self.input_grads_error: str | None = None  # why the inputs' gradients were not taken
 
     def context(self) -> contextlib.AbstractContextManager:
         """The logical axis rules (one context for Linen and NNX) while tracing, when given."""
@@ -179,7 +176,12 @@ class ModuleSide(Side):
                 )
                 return self.loss(params, state, rng, merged)
 
-            return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, wrt)
+            try:
+                return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, wrt)
+            except Exception as error:  # e.g. reverse mode through a while_loop of an input
+                self.input_grads_error = f"{type(error).__name__}: {str(error).strip()[:200]}"
+            (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params, wrt)
+            return (value, aux), (grads, tuple({} for _ in wrt))
 
         return jax.jit(value_and_grads)
 

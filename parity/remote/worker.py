@@ -168,11 +168,12 @@ class Server:
                 packages[name] = metadata.version(name)
         try:
             self.side, self.place_batch = make(options, host_batch.get("batch"))
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # MaxText's config handler may sys.exit(2)
             if not raised_reading_config(e, make):
                 raise _ModelError(e) from e
             release = " ".join(f"{k} {v}" for k, v in packages.items())
-            raise _ModelError(e, "config", release=release) from e
+            cause = e.__context__ if isinstance(e, SystemExit) and e.__context__ else e
+            raise _ModelError(cause, "config", release=release) from e
         import flax
         import jax
 
