@@ -247,6 +247,8 @@ def _run(argv: Sequence[str]) -> int:
         if local_only:
             progress(f"not across processes, skipped: {', '.join(local_only)}")
         selected = [c for c in selected if c not in remote_environments.LOCAL_ONLY]
+        if not selected:  # nothing to run in the workers: refused before they start
+            return usage_error(f"--checks: {', '.join(local_only)} need the twins in this process")
     coordinator.check_process_flags(
         cfg, FLAGS.num_processes, FLAGS.process_id, FLAGS.coordinator_address
     )

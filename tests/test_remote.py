@@ -195,6 +195,8 @@ BAD_ENVIRONMENTS = [
     ([f"--linen_python={REPO}"], "not an executable file"),
     ([f"--nnx_path={REPO / 'docs'}"], "not a checkout of this project with workers"),
     (["--nnx_python=python3", "--num_processes=2"], "a remote pair runs in one process"),
+    # Nothing the workers can run (was: both started, then exit 4 on an empty result list).
+    (["--nnx_python=python3", "--checks=pipeline,layers"], "need the twins in this process"),
 ]
 
 
