@@ -1,4 +1,4 @@
-"""The injected bugs of issue 12 on every shipped tiny config: is each caught by its named
+"""The injected bugs of tests/test_injected_bugs.py on every shipped tiny config: is each caught by its named
 check, at its place, wherever it applies? And do those checks stay quiet on the clean twins
 over seeds 0-4?
 
@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = ROOT / "configs"
 CONFIGS = tuple(sorted(p.stem for p in CONFIG_DIR.glob("*-tiny*.yml")))
-# The issue-12 checks, run clean on every config and seed: none may fail.
+# The checks those bugs are named by, run clean on every config and seed: none may fail.
 CLEAN_CHECKS = ("init", "bubbles", "program", "layers")
 
 

@@ -56,7 +56,7 @@ def measure(row: str, step_dir: str, work: str) -> dict[str, Any]:
     import jax
 
     from migrate import cli
-    from migrate.checkpoints import maxtext, maxtext_commands
+    from migrate.checkpoints import maxtext_commands, maxtext_layouts
 
     cli.return_freed_memory()
     cfg = base.config(base.OVERRIDES)
@@ -67,7 +67,7 @@ def measure(row: str, step_dir: str, work: str) -> dict[str, Any]:
     base.reset_peak()
     start = time.perf_counter()
     if row == "read":
-        flat = maxtext.read(step_dir)
+        flat = maxtext_layouts.read(step_dir)
         assert len(flat) == 39
     else:
         outcome = maxtext_commands.into_twins(

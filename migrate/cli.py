@@ -278,7 +278,7 @@ def _run(argv: Sequence[str]) -> int:
 
 
 def _maxtext(command: str, paths: list[str], cfg: Config, changes: Mapping[str, Any]) -> int:
-    """`convert` with a MaxText checkpoint on one side (`migrate.checkpoints.maxtext`), and
+    """`convert` with a MaxText checkpoint on one side (`migrate.checkpoints.maxtext_layouts`), and
     `compare` of two checkpoints of any kind, on MaxText's paths."""
     source, target = FLAGS["from"].value, FLAGS.to
     if command == "convert" and source == target:

@@ -37,6 +37,7 @@ from parity.decoder.catalog import (  # no JAX
     CHECK_NAMES,
     CHECKS,
     EXIT_STATUSES,
+    LOCAL_ONLY,
     ON_REQUEST,
 )
 from parity.multiprocess import coordinator  # no JAX
@@ -241,12 +242,13 @@ def _run(argv: Sequence[str]) -> int:
     selected = _select_checks()
     if isinstance(selected, str):
         return usage_error(selected)
-    environments = remote_environments.from_flags(FLAGS)  # validated before JAX
+    # validated before JAX; another checkout must hold the twins' worker factory
+    environments = remote_environments.from_flags(FLAGS, ["parity/decoder/remote_twins.py"])
     if environments is not None:
-        local_only = [c for c in selected if c in remote_environments.LOCAL_ONLY]
+        local_only = [c for c in selected if c in LOCAL_ONLY]
         if local_only:
             progress(f"not across processes, skipped: {', '.join(local_only)}")
-        selected = [c for c in selected if c not in remote_environments.LOCAL_ONLY]
+        selected = [c for c in selected if c not in LOCAL_ONLY]
         if not selected:  # nothing to run in the workers: refused before they start
             return usage_error(f"--checks: {', '.join(local_only)} need the twins in this process")
     coordinator.check_process_flags(
@@ -284,9 +286,9 @@ def _run(argv: Sequence[str]) -> int:
     compiles.ECHO_PARTITIONER_WARNINGS[0] = FLAGS.verbose
 
     if environments is not None:
-        from parity.remote import decoder_pair
+        from parity.decoder import remote_twins
 
-        pair = decoder_pair.RemoteDecoderPair(cfg, positional[0], positional[1:], environments)
+        pair = remote_twins.RemoteDecoderPair(cfg, positional[0], positional[1:], environments)
         progress(f"sides in workers: {pair.workers.describe(environments)}")
     else:
         pair = DecoderPair(cfg)
@@ -301,7 +303,9 @@ def _run(argv: Sequence[str]) -> int:
     main = distributed.is_main()  # only process 0 prints the table and writes reports
     golden = []
     if outputs is not None and outputs.golden is not None:
-        golden = [("golden", lambda: outputs.golden_result(pair, write=main))]
+        from parity.decoder.golden import golden_result
+
+        golden = [("golden", lambda: golden_result(pair, outputs, write=main))]
     results, costs = runner.run_checks(pair, selected, FLAGS.steps, environments is None, golden)
     status = max(EXIT_STATUS[r.status] for r in results)
     if environments is not None:
@@ -316,17 +320,17 @@ def _run(argv: Sequence[str]) -> int:
 
 def _run_maxtext(positional: Sequence[str]) -> int:
     """`parity --maxtext CONFIG`: MaxText's two releases, each in its worker."""
-    from parity.remote import maxtext_config
+    from parity.maxtext import gate_config
 
-    config = maxtext_config.load(positional[0], positional[1:])
+    config = gate_config.load(positional[0], positional[1:])
     given = FLAGS.checks is not None  # `--checks=` (empty) is refused, as without --maxtext
-    selected = _select_checks(maxtext_config.CHECK_NAMES) if given else list(maxtext_config.CHECKS)
+    selected = _select_checks(gate_config.CHECK_NAMES) if given else list(gate_config.CHECKS)
     if isinstance(selected, str):
         return usage_error(selected)
-    selected, skipped = maxtext_config.runnable(selected)  # BadInput when none can run
+    selected, skipped = gate_config.runnable(selected)  # BadInput when none can run
     if skipped:
         progress(f"not with --maxtext (the twins' checks), skipped: {', '.join(skipped)}")
-    environments = maxtext_config.environments(FLAGS)
+    environments = gate_config.environments(FLAGS)
     outputs = _outputs(config.model_name)
     if FLAGS.dry_run:
         print(f"{config.describe()}; checks: {', '.join(selected)}")
@@ -336,12 +340,13 @@ def _run_maxtext(positional: Sequence[str]) -> int:
     from parity.decoder import runner  # JAX starts here
     from parity.engine import compiles
     from parity.engine.result import EXIT_STATUS
-    from parity.remote import client, maxtext_pair
+    from parity.maxtext import release_pair
+    from parity.remote import client
     from parity.reports import report
 
     compiles.use_compilation_cache(FLAGS.compilation_cache_dir)  # the workers compile through it
     with client.closed_on_failure():  # a side that fails to start stops the other one too
-        pair = maxtext_pair.MaxTextPair(config, environments)
+        pair = release_pair.MaxTextPair(config, environments)
     progress(f"{config.describe()}; sides: {pair.workers.describe(environments)}")
     try:
         results, costs = runner.run_checks(pair, selected, FLAGS.steps, drill_down=False)

@@ -40,8 +40,7 @@ from migrate.checkpoints.convert import ConversionError
 from migrate.config.contract import Rules
 from migrate.errors import EXIT_PASS
 from parity.analysis import compare
-from parity.engine import checks as engine_checks
-from parity.engine import order, pair_args, programs, randomness
+from parity.engine import numeric, order, pair_args, programs, randomness
 from parity.engine.calls import DEFAULT_COLLECTIONS, Call, Randomness, is_float, named
 from parity.engine.modules import LinenModuleSide, LossFn, NNXModuleSide, mean_square_loss
 from parity.engine.pair import Pair, vacuity_problems
@@ -56,14 +55,14 @@ from parity.reports import report
 CHECKS = ("roundtrip", "forward", "grads", "sharding")  # the default set
 # Every check a module pair can run (`checks=`), in the order they are given.
 AVAILABLE = {
-    "roundtrip": engine_checks.roundtrip,
-    "init": engine_checks.init,
-    "forward": engine_checks.forward,
-    "grads": engine_checks.grads,
+    "roundtrip": numeric.roundtrip,
+    "init": numeric.init,
+    "forward": numeric.forward,
+    "grads": numeric.grads,
     "sharding": programs.sharding,
     "program": programs.program,
-    "train": engine_checks.train,
-    "layers": engine_checks.layers,
+    "train": numeric.train,
+    "layers": numeric.layers,
     "random": randomness.random,
 }
 # Checks that run the compared calls: skipped when every call is stochastic without aligned

@@ -108,7 +108,9 @@ def test_golden_diff_lists_per_key_differences():
         "nnx/a": {"names": ["mlp"], "shape": [4], "spec": "P('tensor',)"},
         "nnx/new": {"names": [], "shape": [], "spec": "P()"},
     }
-    assert report.golden_differences(golden, current) == [
+    from parity.decoder.golden import golden_differences
+
+    assert golden_differences(golden, current) == [
         "~ nnx/a: names: golden ['embed'] -> current ['mlp']",
         "~ nnx/a: spec: golden P('fsdp',) -> current P('tensor',)",
         "- nnx/gone: in golden, not in current",

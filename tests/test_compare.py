@@ -11,8 +11,8 @@ from conftest import tiny
 
 from migrate.config import rules
 from parity.analysis import compare
-from parity.decoder.session import vacuity_problems
-from parity.engine.checks import run_records
+from parity.engine.numeric import run_records
+from parity.engine.pair import lm_vacuity_problems
 from parity.engine.result import verdict
 from parity.engine.side import Run
 
@@ -78,7 +78,7 @@ def test_dead_models_are_refused_even_when_they_agree():
         outputs=np.zeros((2, 3, vocab), np.float32),
         grads={"w": np.zeros((4,), np.float32)},
     )
-    problems = vacuity_problems(dead, vocab)
+    problems = lm_vacuity_problems(dead, vocab)
     assert len(problems) == 3
     assert "gradient norm is 0.0" in problems[0]
     assert "logits are all zero" in problems[1]

@@ -16,7 +16,7 @@ from flax import nnx
 from migrate.checkpoints import convert
 from parity.decoder import twins
 from parity.decoder.session import DecoderPair
-from parity.engine import checks
+from parity.engine import numeric
 
 
 @functools.cache
@@ -44,7 +44,7 @@ def assert_same_tree(a, b):
 
 @pytest.mark.parametrize("name", TINY_CONFIGS)
 def test_roundtrip_check_is_bit_exact_for_every_config(name):
-    result = checks.roundtrip(session(name))
+    result = numeric.roundtrip(session(name))
     assert result.passed, [r for r in result.details if not r["passed"]]
     assert result.value == 0.0
     assert all(r["mismatches"] == 0 for r in result.details)

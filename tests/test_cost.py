@@ -44,8 +44,8 @@ def test_compile_check_nnx_costs_what_linen_costs():
 
 @pytest.mark.slow
 def test_compile_check_fails_on_a_reshard_the_partitioner_replicates(monkeypatch):
-    """Seeded: the embedding reads its table as stored, split over fsdp (the layout before
-    issue 28). The gradient's scatter then wants the rows split over embed, which the
+    """Seeded: the embedding reads its table as stored, split over fsdp (a layout the twins
+    no longer use). The gradient's scatter then wants the rows split over embed, which the
     partitioner reaches only by replicating them: the compile check names it and fails."""
     from migrate.common import sharding as sharding_lib
     from parity.decoder import twins

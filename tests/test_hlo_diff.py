@@ -8,7 +8,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from parity.analysis import compare, hlo_diff
-from parity.decoder import flow
+from parity.decoder import drilldown
 from parity.engine.result import verdict
 
 
@@ -92,9 +92,9 @@ def test_grads_name_the_largest_relative_error_then_the_earliest_in_the_data_flo
         record("linen-init/grads/params/pipeline/layers/layers_0/mlp/wo/kernel", 2e-3),
         record("linen-init/grads/params/token_embedder/embedding", 0.0),
     ]
-    result = verdict("grads", records, compare.EXACT, rank=flow.data_flow_rank)
+    result = verdict("grads", records, compare.EXACT, rank=drilldown.data_flow_rank)
     assert result.where.endswith("mlp/wo/kernel")  # largest; the MLP comes before the head
-    assert flow.data_flow_rank("x/token_embedder/embedding") < flow.data_flow_rank(
+    assert drilldown.data_flow_rank("x/token_embedder/embedding") < drilldown.data_flow_rank(
         "x/pipeline/layers/layers_0/self_attention/query/kernel"
     )
     assert np.isclose(result.value, 2e-3)

@@ -25,7 +25,7 @@ from parity.decoder import twins
 
 pytestmark = pytest.mark.slow
 # The bugs of the feature configs (MoE, a pipelined subset, tying, ag-per-repeat, multislice,
-# issue 12's kinds elsewhere) on the default stack only: whether the gate names their place is
+# the llama2-tiny kinds elsewhere) on the default stack only: whether the gate names their place is
 # its own code, not the JAX version's. The secondary stack runs every bug on the llama2-tiny
 # family (where the program-level checks that read each JAX's HLO are) and every config's clean
 # run (the config matrix: false alarms are what another JAX version changes). CI time.
@@ -516,7 +516,7 @@ def test_no_false_alarms_for_seeds_0_to_4(tmp_path):
         assert {c["name"] for c in report["checks"]} == DEFAULT_CHECKS, seed
 
 
-# Issue 12's kinds on shipped configs other than llama2-tiny: a cheap subset of the matrix that
+# The llama2-tiny kinds on shipped configs other than llama2-tiny: a cheap subset of the matrix that
 # bench/bug_matrix.py runs in full (every kind on every config, docs/configs.md).
 # bug, config, the one check run, the text its `where` must contain
 CROSS_CONFIG_BUGS = [
@@ -546,7 +546,7 @@ def test_issue_12_kinds_are_caught_on_other_configs(bug, monkeypatch, fresh_nnx,
     assert place in where[check], where[check]
 
 
-# ------------------------------------------------------------------ issue 16: weight tying
+# ------------------------------------------------------------------ weight tying
 # Bugs of a tied head (`logits_via_embedding: true`) on llama2-tiny-tied.
 
 TINY_TIED = str(CONFIG_DIR / "llama2-tiny-tied.yml")
@@ -606,7 +606,7 @@ def test_an_untied_head_on_one_side_fails_init_at_the_logits_kernel(
     assert "logits_dense/kernel" in where["init"], where["init"]
 
 
-# ------------------------------------------------------------------ multi-slice (issue 16)
+# ------------------------------------------------------------------ multi-slice
 # The NNX port builds its mesh the way NNX's examples do, `jax.make_mesh` over the mesh's
 # sizes (ici x dcn per axis), instead of MaxText's hybrid mesh: the devices in order,
 # reshaped, with no grouping into slices. The values cannot show it (the same arithmetic on
@@ -652,7 +652,7 @@ def test_mesh_without_slices_is_caught_on_the_multislice_config(monkeypatch, fre
     assert status == cli.EXIT_PASS, failing(report)
 
 
-# ================================================================== issue 16: ag per repeat
+# ================================================================== ag per repeat
 # `pipeline_fsdp_ag_per_repeat` bugs in the NNX twin, on llama2-tiny-agrepeat (R = 3: the
 # window moves). bug, checks to run, {failing check: text its `where` must contain}
 TINY_AGREPEAT = str(CONFIG_DIR / "llama2-tiny-agrepeat.yml")
@@ -705,7 +705,7 @@ def test_ag_per_repeat_bugs_are_caught(bug, monkeypatch, fresh_nnx, tmp_path):
         assert place in where[check], (check, where[check])
 
 
-# ------------------------------------------------------------------ issue 16: a pipelined subset
+# ------------------------------------------------------------------ a pipelined subset
 # (`pipeline_parallel_layers`): the layers after the pipeline must run after it, in the rows
 # `migrate.common.placement` gives them.
 
@@ -748,7 +748,7 @@ def test_subset_remainder_rows_mapped_wrongly_are_named(monkeypatch, fresh_nnx, 
     assert not any(r["passed"] is False and r.get("iteration") is not None for r in drill)
 
 
-# ------------------------------------------------------------------ issue 16: MoE layers
+# ------------------------------------------------------------------ MoE layers
 # Bugs of the mixture-of-experts pipeline (mixtral-tiny), each caught at its place.
 
 MIXTRAL_TINY = str(CONFIG_DIR / "mixtral-tiny.yml")

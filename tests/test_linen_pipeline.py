@@ -1,4 +1,4 @@
-"""The pipelined Linen decoder equals its non-pipelined twin (PIPELINE.md "The reference"), in the
+"""The pipelined Linen decoder equals its non-pipelined twin (docs/pipeline.md, "Numerics"), in the
 schedule variants no shipped config runs. Every shipped config's pipeline against its reference,
 every gradient leaf, both sides: the `pipeline` check of the config matrix (tests/test_cli.py)."""
 
@@ -15,7 +15,7 @@ from migrate.common import schedule
 from parity.analysis import compare
 from parity.decoder import twins
 from parity.decoder.session import DecoderPair
-from parity.engine.checks import run_records
+from parity.engine.numeric import run_records
 from parity.engine.side import Run
 
 

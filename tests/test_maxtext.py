@@ -13,12 +13,12 @@ import pytest
 from hostile import REPO, refused, run
 
 from migrate import errors
-from parity.remote import maxtext_config
+from parity.maxtext import gate_config
 
 pytestmark = pytest.mark.slow
 CONFIGS = REPO / "configs" / "maxtext"
 TESTS = str(Path(__file__).resolve().parent)
-MISSING = [s for s in maxtext_config.RELEASES if maxtext_config.default_python(s) is None]
+MISSING = [s for s in gate_config.RELEASES if gate_config.default_python(s) is None]
 if sys.version_info < (3, 12):  # MaxText needs 3.12; its gate runs on the default stack (CI time)
     WHY = "the MaxText gate runs on the default stack (Python 3.12)"
 else:
@@ -47,12 +47,12 @@ def test_maxtext_linen_and_nnx_releases_agree(config, tmp_path):
     status, report, err = gate(tmp_path, config)
     assert status == 0, err[-3000:]
     checks = {c["name"]: c for c in report["checks"]}
-    assert list(checks) == list(maxtext_config.CHECKS)
+    assert list(checks) == list(gate_config.CHECKS)
     for name in ("forward", "grads", "train"):
         assert checks[name]["message"] == "identical computation: bit-exact", name
     assert "maxtext 0.2.3" in err and "maxtext 0.2.5" in err
     assert {side: report["sides"][side]["maxtext"] for side in ("linen", "nnx")} == (
-        maxtext_config.RELEASES
+        gate_config.RELEASES
     )
     # every program ran in a worker: its compile (or cache read) counts in the run's cost
     assert {p.partition("/")[0] for p in report["cost"]["programs"]} == {"linen", "nnx"}
@@ -62,14 +62,14 @@ def test_maxtext_linen_and_nnx_releases_agree(config, tmp_path):
 def linen_release():
     """One Linen (0.2.3) worker on pp4 for every injected NNX bug: the bugs patch the NNX release
     only, so the clean side is started and compiled once (CI time)."""
+    from parity.maxtext.release_pair import start_side
     from parity.remote.client import WorkerSet
     from parity.remote.environments import Environment
-    from parity.remote.maxtext_pair import start_side
 
-    config = maxtext_config.load(CONFIGS / "pp4.yml", [])
+    config = gate_config.load(CONFIGS / "pp4.yml", [])
     workers = WorkerSet()
     try:
-        environment = Environment(maxtext_config.default_python("linen"))
+        environment = Environment(gate_config.default_python("linen"))
         yield config, start_side(config, "linen", environment, workers)
     finally:
         workers.close()
@@ -92,22 +92,22 @@ def linen_release():
 def test_a_bug_injected_in_the_nnx_release_is_caught_at_its_place(
     bug, check, where, unmoved, linen_release
 ):
-    from parity.engine import checks as engine_checks
-    from parity.remote import maxtext_cost
+    from parity.engine import numeric
+    from parity.maxtext import compile_check
+    from parity.maxtext.release_pair import MaxTextPair
     from parity.remote.environments import Environment
-    from parity.remote.maxtext_pair import MaxTextPair
 
     config, linen = linen_release
     environments = {
-        "linen": Environment(maxtext_config.default_python("linen")),
+        "linen": Environment(gate_config.default_python("linen")),
         "nnx": Environment(
-            maxtext_config.default_python("nnx"), patch=f"maxtext_bugs:{bug}", extra_paths=(TESTS,)
+            gate_config.default_python("nnx"), patch=f"maxtext_bugs:{bug}", extra_paths=(TESTS,)
         ),
     }
     table = {
-        "init": engine_checks.init,
-        "forward": engine_checks.forward,
-        "compile": maxtext_cost.compile_check,
+        "init": numeric.init,
+        "forward": numeric.forward,
+        "compile": compile_check.compile_check,
     }
     pair = MaxTextPair(config, environments, started={"linen": linen})
     try:

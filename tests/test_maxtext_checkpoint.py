@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from hostile import CONFIGS, TINY
 
-from migrate.checkpoints import maxtext
+from migrate.checkpoints import maxtext_layouts
 from migrate.checkpoints.meta import CheckpointError
 from migrate.checkpoints.weight_map import WeightMapError
-from parity.remote import maxtext_config
+from parity.maxtext import gate_config
 
-MISSING = [s for s in maxtext_config.RELEASES if maxtext_config.default_python(s) is None]
+MISSING = [s for s in gate_config.RELEASES if gate_config.default_python(s) is None]
 if sys.version_info < (3, 12):
     WHY = "MaxText runs on the default stack (Python 3.12)"
 else:
@@ -43,7 +43,7 @@ def crossed(tmp_path_factory):
     from filelock import FileLock
 
     from parity.engine.result import CheckResult
-    from parity.remote import maxtext_checkpoint
+    from parity.maxtext import checkpoint_gate
     from parity.remote.environments import Environment
 
     shared = tmp_path_factory.getbasetemp().parent / "maxtext-checkpoint"
@@ -51,12 +51,10 @@ def crossed(tmp_path_factory):
     with FileLock(str(shared) + ".lock"):
         if not saved.exists():
             shared.mkdir(exist_ok=True)
-            config = maxtext_config.load(CONFIGS / "maxtext" / "pp4.yml", [])
-            environments = {
-                s: Environment(maxtext_config.default_python(s)) for s in ("linen", "nnx")
-            }
+            config = gate_config.load(CONFIGS / "maxtext" / "pp4.yml", [])
+            environments = {s: Environment(gate_config.default_python(s)) for s in ("linen", "nnx")}
             directory.mkdir()
-            verdict, facts = maxtext_checkpoint.cross_release(
+            verdict, facts = checkpoint_gate.cross_release(
                 config, environments, directory, WRITTEN_STEPS
             )
             saved.write_text(json.dumps({"verdict": dataclasses.asdict(verdict), "facts": facts}))
@@ -76,12 +74,15 @@ def twin_config(more=()):
 
 
 def test_the_query_scale_is_a_power_of_two_and_moves_both_moments_by_the_chain_rule():
-    assert maxtext.twins_map(16).exact and maxtext.twins_map(64, "nu").exact
-    assert maxtext.query_scale(16) == 4.0
-    assert maxtext.query_scale(16, "mu") == 0.25 and maxtext.query_scale(16, "nu") == 1 / 16
-    assert not maxtext.twins_map(32).exact  # sqrt(32): not exact both ways, refused
+    assert maxtext_layouts.twins_map(16).exact and maxtext_layouts.twins_map(64, "nu").exact
+    assert maxtext_layouts.query_scale(16) == 4.0
+    assert (
+        maxtext_layouts.query_scale(16, "mu") == 0.25
+        and maxtext_layouts.query_scale(16, "nu") == 1 / 16
+    )
+    assert not maxtext_layouts.twins_map(32).exact  # sqrt(32): not exact both ways, refused
     with pytest.raises(CheckpointError, match="head_dim 32"):
-        maxtext.to_twins({}, 32)
+        maxtext_layouts.to_twins({}, 32)
 
 
 def test_the_map_moves_maxtexts_scan_axis_and_scales_only_the_query():
@@ -92,15 +93,15 @@ def test_the_map_moves_maxtexts_scan_axis_and_scales_only_the_query():
         ("decoder", "layers", "self_attention", "query", "kernel"): query,
         ("decoder", "layers", "self_attention", "key", "kernel"): key,
     }
-    twins = maxtext.twins_map(16, "params", "scan").forward(source)
+    twins = maxtext_layouts.twins_map(16, "params", "scan").forward(source)
     assert np.array_equal(twins[("layers", "self_attention", "query", "kernel")],
                           np.moveaxis(query, 1, 0) * 4)  # fmt: skip
     assert np.array_equal(twins[("layers", "self_attention", "key", "kernel")],
                           np.moveaxis(key, 1, 0))  # fmt: skip
-    back = maxtext.twins_map(16, "params", "scan").backward(twins)
+    back = maxtext_layouts.twins_map(16, "params", "scan").backward(twins)
     assert all(back[p].tobytes() == source[p].tobytes() for p in source)
     with pytest.raises(WeightMapError, match="decoder/extra"):
-        maxtext.twins_map(16).forward({("decoder", "extra", "kernel"): key})
+        maxtext_layouts.twins_map(16).forward({("decoder", "extra", "kernel"): key})
 
 
 # ------------------------------------------------------------------ MaxText's own runs
@@ -113,7 +114,7 @@ def test_a_0_2_3_checkpoint_restored_and_trained_by_0_2_5_is_bit_exact(crossed):
     step's dtype difference declared), each release's restored model gives the same logits,
     both loops resume at the step after the written one,
     and one more step gives the same loss, grad norms and every updated leaf."""
-    from parity.remote.maxtext_checkpoint import kind_table
+    from parity.maxtext.checkpoint_gate import kind_table
 
     verdict, facts, _ = crossed
     assert verdict.passed, (verdict.where, verdict.message)
@@ -149,7 +150,7 @@ def test_a_maxtext_checkpoint_into_the_twins_and_back_is_bit_exact(
     assert (outcome.release, outcome.step, outcome.stacking) == ("0.2.3", 3, "pipeline")
     assert read_meta(tmp_path / "twins")["framework"] == framework
     state = restore(tmp_path / "twins", Spec(framework, layout, cfg), sharding.make_mesh(cfg))
-    query = maxtext.read(checkpoint)[
+    query = maxtext_layouts.read(checkpoint)[
         ("params", "params", "decoder", "pipeline_module", "layers", "self_attention", "query",
          "kernel")]  # fmt: skip
     flat = {"/".join(map(str, k)): v for k, v in _flat(to_pure(state.params)).items()}
@@ -158,7 +159,10 @@ def test_a_maxtext_checkpoint_into_the_twins_and_back_is_bit_exact(
         assert np.array_equal(np.asarray(twin_query), query * 4)
 
     maxtext_commands.from_twins(tmp_path / "twins", tmp_path / "back", cfg, verify=True)
-    original, again = maxtext.read(checkpoint), maxtext.read(tmp_path / "back" / "2")
+    original, again = (
+        maxtext_layouts.read(checkpoint),
+        maxtext_layouts.read(tmp_path / "back" / "2"),
+    )
     assert set(again) == set(original)
     for path in original:
         assert original[path].dtype == again[path].dtype, path
@@ -203,20 +207,20 @@ def test_the_twins_logits_on_maxtext_trained_weights_match_maxtexts_within_the_f
     """MaxText 0.2.3's own logits and loss on its checkpoint's weights against the twins'
     (mapped, the reference layout): the same math on other programs, within float32's
     reshaped tier (measured 5.2e-7 relative, docs/checkpoints.md), and not vacuous."""
-    from parity.remote import maxtext_logits
+    from parity.maxtext import twins_logits
     from parity.remote.environments import Environment
 
     _, _, checkpoint = crossed
-    config = maxtext_config.load(CONFIGS / "maxtext" / "pp4.yml", [])
-    environment = Environment(maxtext_config.default_python("linen"))
-    measured = maxtext_logits.measure(
+    config = gate_config.load(CONFIGS / "maxtext" / "pp4.yml", [])
+    environment = Environment(gate_config.default_python("linen"))
+    measured = twins_logits.measure(
         checkpoint, config, twin_config(["per_device_batch_size=1"]), environment, "linen",
         layouts=("reference",),  # the twins' pipeline equals their reference (test_train.py)
     )  # fmt: skip
     for layout in ("reference",):
         for name in ("logits", "loss"):
             diff = measured[layout][name]
-            assert diff.passes(maxtext_logits.TOLERANCE), (layout, name, diff)
+            assert diff.passes(twins_logits.TOLERANCE), (layout, name, diff)
 
 
 @needs_envs
@@ -272,7 +276,7 @@ def _states(rng):
 
 
 def test_the_gate_names_a_differing_leaf_a_missing_leaf_and_an_undeclared_dtype():
-    from parity.remote.maxtext_checkpoint import state_records, vacuity
+    from parity.maxtext.checkpoint_gate import state_records, vacuity
 
     linen, nnx = _states(np.random.default_rng(0))
     records = state_records("restored", linen, nnx)

@@ -13,11 +13,12 @@ import types
 import pytest
 from hostile import REPO, refused, run
 
-from parity.remote import client, maxtext_config, worker
+from parity.maxtext import decoder_factory, gate_config
+from parity.remote import client, worker
 from parity.remote.environments import Environment
 
 PP4 = str(REPO / "configs" / "maxtext" / "pp4.yml")
-MISSING = [s for s in maxtext_config.RELEASES if maxtext_config.default_python(s) is None]
+MISSING = [s for s in gate_config.RELEASES if gate_config.default_python(s) is None]
 if sys.version_info < (3, 12):  # MaxText needs 3.12; its gate runs on the default stack
     WHY = "the MaxText gate runs on the default stack (Python 3.12)"
 else:
@@ -33,14 +34,14 @@ def maxtext(*args: str, timeout: float = 60):
 
 
 def test_empty_checks_refused_as_without_maxtext():
-    """`--checks=` selects nothing: refused (it used to run the default set silently)."""
+    """`--checks=` selects nothing: refused, not the default set run silently."""
     refused(maxtext("--checks=", "--dry_run"), 2, "--checks: no checks selected")
     refused(maxtext("--checks=,", "--dry_run"), 2, "--checks: no checks selected")
 
 
 def test_only_twin_checks_refused_before_anything_starts(tmp_path):
     """pipeline and bubbles call the project's twins: alone, nothing is left to run; refused,
-    named, nothing written (it used to start both workers and crash with exit 4)."""
+    named, nothing written, no worker started (never exit 4)."""
     report = tmp_path / "x.json"
     err = refused(
         maxtext("--checks=pipeline,bubbles", f"--json={report}"),
@@ -54,7 +55,7 @@ def test_only_twin_checks_refused_before_anything_starts(tmp_path):
 
 
 def test_runnable_splits_the_selection():
-    assert maxtext_config.runnable(["pipeline", "forward", "compile", "layers"]) == (
+    assert gate_config.runnable(["pipeline", "forward", "compile", "layers"]) == (
         ["forward", "compile", "layers"],
         ["pipeline"],
     )
@@ -89,7 +90,7 @@ def test_interpreter_without_maxtext_refused_before_workers():
 def test_unknown_key_refused_naming_release_and_key(tmp_path, monkeypatch):
     """MaxText's `pyconfig.initialize` refuses an unknown key with a list of every valid one:
     exit 2, one line with the release, the side and just the key; the failed workers leave no
-    temporary directory (they used to leave one per failed start)."""
+    temporary directory."""
     temporary = tmp_path / "tmp"
     temporary.mkdir()
     monkeypatch.setenv("TMPDIR", str(temporary))
@@ -154,11 +155,22 @@ FIELD = (
     ],
 )
 def test_config_error_line_trims_the_release_message(message, line):
-    assert client.config_error_line(message) == line
+    assert decoder_factory.config_error_line(message) == line
 
 
 def test_config_error_line_is_short():
-    assert len(client.config_error_line("x" * 5000)) == 300
+    assert len(decoder_factory.config_error_line("x" * 5000)) == 300
+
+
+def test_a_factory_without_a_summariser_gets_the_first_line():
+    """The transport's own summary of a config error (a factory module that declares no
+    `config_error_line`): the first non-blank line, at most 300 characters."""
+    assert worker.first_line("\n  mesh axes do not fit\nmore") == "mesh axes do not fit"
+    assert worker.first_line("") == "(no message)"
+    assert len(worker.first_line("x" * 5000)) == 300
+
+
+READERS = decoder_factory.CONFIG_READERS
 
 
 def _fake_module(name: str, source: str) -> types.ModuleType:
@@ -200,11 +212,13 @@ def test_worker_classifies_an_error_by_where_it_was_raised():
             return e
         raise AssertionError("no exception")
 
-    assert worker.raised_reading_config(caught(make_config), make_config)
-    assert worker.raised_reading_config(caught(make_mesh), make_mesh)
-    assert not worker.raised_reading_config(caught(make_other), make_other)
-    assert not worker.raised_reading_config(caught(make_own), make_own)
-    assert not worker.raised_reading_config(caught(make_config), make_mesh)  # not its factory
+    assert worker.raised_reading_config(caught(make_config), make_config, READERS)
+    assert worker.raised_reading_config(caught(make_mesh), make_mesh, READERS)
+    assert not worker.raised_reading_config(caught(make_other), make_other, READERS)
+    assert not worker.raised_reading_config(caught(make_own), make_own, READERS)
+    assert not worker.raised_reading_config(caught(make_config), make_mesh, READERS)  # not its own
+    # the transport knows no reader of its own: a factory that declares none has none
+    assert not worker.raised_reading_config(caught(make_config), make_config, ())
 
 
 # ------------------------------------------------------------------ failed starts clean up

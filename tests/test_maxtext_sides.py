@@ -1,7 +1,8 @@
 """A MaxText side on the wrong release is refused: the Linen side must build a pure Linen
 decoder (0.2.5's `TransformerLinen` is a `ToLinen` over its NNX model), the NNX side an NNX one
 (0.2.3's `Transformer` holds its Linen decoder in a `ToNNX`). Either way the run exits 2 with one
-line saying which release built what, before any check (`parity.remote.maxtext.WrongRelease`)."""
+line saying which release built what, before any check
+(`parity.maxtext.decoder_factory.WrongRelease`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from test_maxtext import gate, needs_envs
 
 from migrate import errors
-from parity.remote import maxtext_config
+from parity.maxtext import gate_config
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.slow
     ],
 )
 def test_a_side_on_the_other_release_is_bad_input(side, release, message, tmp_path):
-    python = maxtext_config.default_python(release)
+    python = gate_config.default_python(release)
     status, report, err = gate(tmp_path, "pp4.yml", "--checks=init", f"--{side}_python={python}")
     assert status == errors.EXIT_USAGE, err[-3000:]
     assert f"parity: error: {message}\n" in err, err[-3000:]

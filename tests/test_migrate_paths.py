@@ -30,8 +30,8 @@ def test_convert_and_compare_take_relative_paths(nnx_ckpt, tmp_path, monkeypatch
     assert len(steps) == 1
     written = f"out/mt/{steps[0]}"
     capsys.readouterr()
-    # A twins checkpoint first (was: "...should be absolute...; the checkpoint is corrupt"),
-    # then a MaxText one (was: "cannot read: ValueError: Checkpoint path should be absolute").
+    # A twins checkpoint first, then a MaxText one: Orbax refuses relative paths ("Checkpoint
+    # path should be absolute"), so `migrate` makes them absolute where it reads them.
     relative = migrate("compare", CONFIG, twins, written)
     out = capsys.readouterr()
     assert relative == cli.EXIT_OK, out.err

@@ -16,7 +16,7 @@ from migrate.nnx import decoder as nnx_decoder
 from parity.analysis import compare
 from parity.decoder import twins
 from parity.decoder.session import DecoderPair
-from parity.engine.checks import run_records
+from parity.engine.numeric import run_records
 
 MODES = [(True, True), (True, False), (False, True), (False, False)]
 

@@ -21,7 +21,7 @@ from parity.engine.result import errored
 from parity.engine.side import SideError
 from parity.remote import protocol
 from parity.remote.client import Worker
-from parity.remote.side import RemoteSide
+from parity.remote.proxy import RemoteSide
 
 TESTS = str(Path(__file__).resolve().parent)
 FAKES = "remote_fakes:make"
@@ -195,7 +195,7 @@ BAD_ENVIRONMENTS = [
     ([f"--linen_python={REPO}"], "not an executable file"),
     ([f"--nnx_path={REPO / 'docs'}"], "not a checkout of this project with workers"),
     (["--nnx_python=python3", "--num_processes=2"], "a remote pair runs in one process"),
-    # Nothing the workers can run (was: both started, then exit 4 on an empty result list).
+    # Nothing the workers can run: refused before either starts.
     (["--nnx_python=python3", "--checks=pipeline,layers"], "need the twins in this process"),
 ]
 
@@ -237,8 +237,8 @@ def test_a_bug_injected_in_the_nnx_worker_is_caught_where_the_local_gate_catches
     """The RMSNorm epsilon bug of tests/test_injected_bugs.py, patched at run time in the NNX
     worker (never in the code): forward and grads fail, naming the logits and the first
     norm's gradients, while the Linen worker is untouched."""
-    from parity.engine import checks
-    from parity.remote.decoder_pair import RemoteDecoderPair
+    from parity.decoder.remote_twins import RemoteDecoderPair
+    from parity.engine import numeric
     from parity.remote.environments import Environment
 
     cfg = load_config(TINY)
@@ -250,10 +250,10 @@ def test_a_bug_injected_in_the_nnx_worker_is_caught_where_the_local_gate_catches
     }
     pair = RemoteDecoderPair(cfg, TINY, [], environments)
     try:
-        forward = checks.forward(pair)
+        forward = numeric.forward(pair)
         assert forward.status == "failed" and "logits" in forward.where
-        grads = checks.grads(pair)
+        grads = numeric.grads(pair)
         assert grads.status == "failed"
-        assert checks.roundtrip(pair).passed  # the weights themselves still match
+        assert numeric.roundtrip(pair).passed  # the weights themselves still match
     finally:
         pair.workers.close()

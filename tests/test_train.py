@@ -104,7 +104,7 @@ def test_an_evaluation_that_consumes_the_weights_fails_train_there_not_the_run(m
     consumed (donated) them fails `train` there, naming them, and nothing is stepped; the run
     does not crash on the deleted arrays."""
     from parity.decoder import sides
-    from parity.engine import checks as engine_checks
+    from parity.engine import numeric
 
     own_trainer = sides.NNXDecoderSide.trainer
 
@@ -120,7 +120,7 @@ def test_an_evaluation_that_consumes_the_weights_fails_train_there_not_the_run(m
         return dataclasses.replace(trainer, evaluate=evaluate)
 
     monkeypatch.setattr(sides.NNXDecoderSide, "trainer", consuming_trainer)
-    result = engine_checks.train(session("llama2-tiny-tp"), steps=2)
+    result = numeric.train(session("llama2-tiny-tp"), steps=2)
     assert not result.passed and result.where.startswith("eval-before/nnx-params/")
     consumed = [r for r in result.details if not r["passed"]]
     assert len(consumed) == len(jax.tree.leaves(session("llama2-tiny-tp").nnx_params))
@@ -165,10 +165,10 @@ def test_train_steps_trace_once_for_every_step_both_evaluations_and_the_compile_
     (the compile check lowers the step the train check ran, and compiles it once more only
     where that one was a persistent-cache read)."""
     from parity.decoder import checks as decoder_checks
-    from parity.engine import checks as engine_checks
+    from parity.engine import numeric
 
     pair = DecoderPair(tiny("llama2-tiny"))
-    trained = engine_checks.train(pair, steps=3)
+    trained = numeric.train(pair, steps=3)
     compiled = decoder_checks.compile_cost(pair)
     assert trained.passed and compiled.passed, (trained.where, compiled.where)
     assert len(trained.steps) == 3

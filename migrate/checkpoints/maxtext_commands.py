@@ -1,7 +1,7 @@
-"""Converting MaxText checkpoints into the twins' and back (`migrate.checkpoints.maxtext` holds
-the map): the same contract as `commands.convert_checkpoint` (the source only read, a staging
-directory moved into place when complete, `--force` only over what the tool wrote, nothing
-written on failure, refusals as CheckpointError: exit 2).
+"""Converting MaxText checkpoints into the twins' and back (the map is
+`migrate.checkpoints.maxtext_layouts`'s): the same contract as `commands.convert_checkpoint`
+(the source only read, a staging directory moved into place when complete, `--force` only over
+what the tool wrote, nothing written on failure, refusals as CheckpointError: exit 2).
 
     into_twins(RUN/checkpoints/2, DST, cfg, "nnx", "pipeline")   # a twins checkpoint
     from_twins(DST, OUT/checkpoints, cfg, "nnx")                 # OUT/checkpoints/2/items
@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from migrate.checkpoints import destination, maxtext
+from migrate.checkpoints import destination, maxtext_layouts
 from migrate.checkpoints.checkpoint_io import host_copy, restore, save
 from migrate.checkpoints.convert import unflatten_dict
 from migrate.checkpoints.meta import CheckpointError, read_meta
@@ -124,7 +124,7 @@ def twins_as_maxtext(src: Path, cfg: Config, how: str) -> dict[tuple[str, ...], 
     counts = [x for x in jax.tree.leaves(weights.skeleton) if not isinstance(x, str)]
     if len(counts) != 1:
         raise CheckpointError(f"{src}: the optimizer holds {len(counts)} counts; MaxText's one")
-    return maxtext.from_twins(trees, host_copy(counts[0]), weights.step, cfg.head_dim, how)
+    return maxtext_layouts.from_twins(trees, host_copy(counts[0]), weights.step, cfg.head_dim, how)
 
 
 def as_maxtext(path: str | Path, cfg: Config, how: str | None = None) -> dict:
@@ -133,7 +133,7 @@ def as_maxtext(path: str | Path, cfg: Config, how: str | None = None) -> dict:
     checkpoint (default: the config's)."""
     path = Path(path)
     if (path / "items" / "_METADATA").is_file():
-        return {p: a for p, a in maxtext.read(path).items() if p[0] != "nnx_aux"}
+        return {p: a for p, a in maxtext_layouts.read(path).items() if p[0] != "nnx_aux"}
     return twins_as_maxtext(path, cfg, how or stacking_for(cfg))
 
 
@@ -142,10 +142,10 @@ def compare_any(a: str | Path, b: str | Path, cfg: Config) -> list[str]:
     checkpoint's stacking decides a twins checkpoint's); empty when bit-identical."""
     kinds = [(Path(p) / "items" / "_METADATA").is_file() for p in (a, b)]
     first = as_maxtext(a, cfg, "scan")
-    how = maxtext.stacking(first) if kinds[0] else "scan"
+    how = maxtext_layouts.stacking(first) if kinds[0] else "scan"
     second = as_maxtext(b, cfg, how)
     if kinds[1] and not kinds[0]:  # the twins side stacked as the MaxText side is
-        first = as_maxtext(a, cfg, maxtext.stacking(second))
+        first = as_maxtext(a, cfg, maxtext_layouts.stacking(second))
     return differences(first, second)
 
 
@@ -161,11 +161,11 @@ def into_twins(
     """The MaxText checkpoint at `src` (a step directory) as a twins checkpoint of `cfg`
     (`framework`, `layout`) at `dst`; with `verify`, the staged result mapped back must equal
     the source bit for bit (RNG state aside) or nothing is written (`differences`)."""
-    src, dst = maxtext.step_directory(Path(src).absolute()), Path(dst).absolute()
+    src, dst = maxtext_layouts.step_directory(Path(src).absolute()), Path(dst).absolute()
     destination.check_destination(src, dst, force)
-    flat = maxtext.read(src)
-    found = maxtext.release(flat)
-    mapped = maxtext.to_twins(flat, cfg.head_dim)
+    flat = maxtext_layouts.read(src)
+    found = maxtext_layouts.release(flat)
+    mapped = maxtext_layouts.to_twins(flat, cfg.head_dim)
     del flat
     reference, target = Spec("linen", "reference", cfg), Spec(framework, layout, cfg)
     mesh = sharding.make_mesh(cfg)
@@ -186,7 +186,7 @@ def into_twins(
         del state
         found_differences: list[str] = []
         if verify:
-            source = {p: a for p, a in maxtext.read(src).items() if p[0] != "nnx_aux"}
+            source = {p: a for p, a in maxtext_layouts.read(src).items() if p[0] != "nnx_aux"}
             written = twins_as_maxtext(destination.staged(staging), cfg, mapped["stacking"])
             found_differences = differences(source, written)
         destination.publish_unless(found_differences, staging, dst, force)
@@ -240,7 +240,7 @@ def from_twins(
         with ocp.CheckpointManager(root) as manager:
             manager.save(step - 1, args=ocp.args.Composite(items=ocp.args.PyTreeSave(tree)))
             manager.wait_until_finished()
-        found = differences(flat, maxtext.read(root / str(step - 1))) if verify else []
+        found = differences(flat, maxtext_layouts.read(root / str(step - 1))) if verify else []
         destination.publish_unless(found, staging, dst, force)
     except BaseException:
         destination.discard(staging, settle=True)

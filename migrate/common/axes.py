@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-# Parameters (PIPELINE.md "Decoder").
+# Parameters (docs/pipeline.md, "Logical names").
 EMBEDDING = ("vocab", "embed")
 NORM_SCALE = ("norm",)
 QUERY = ("embed", "q_heads", "kv")
@@ -83,7 +83,7 @@ LOGITS_BATCH_LENGTH_VOCAB = (
 INTO_PIPELINE = "reshard_into_pipeline"
 OUT_OF_PIPELINE = "reshard_out_of_pipeline"
 
-# Remat checkpoint names (PIPELINE.md "Remat").
+# Remat checkpoint names (docs/pipeline.md, "Remat").
 ITERATION_INPUT = "iteration_input"
 DECODER_LAYER_INPUT = "decoder_layer_input"
 

@@ -6,7 +6,8 @@ The reference stacks all N layers as `[N, ...]`. Since global layer `(r*S + s)*L
 row-major index of `(r, s, j)`, moving between the two is a reshape plus a split or stack of the
 L axis. With a pipelined subset only the first P rows are reshaped so; the other N - P are the
 `layers_after_pipeline` stack `[N-P, ...]` as they are (`migrate.common.placement`). Works on plain
-arrays and on logical-name tuples alike, for either framework.
+arrays and on logical-name tuples alike, for either framework (docs/pipeline.md, "Weight
+layouts").
 """
 
 from __future__ import annotations

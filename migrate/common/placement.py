@@ -1,11 +1,11 @@
 """Where every decoder layer runs: the one place the placement is derived.
 
 The first P = `num_pipelined_layers` of N layers run in the pipeline: global layer
-`(r*S + s)*L + j` on stage s during repeat r, in-stage slot j (PIPELINE.md). The other
-N - P = `num_layers_after_pipeline` run after it, outside the pipeline (scanned, on the batch the
-embedding and logits use): layer P + k is row k of the `layers_after_pipeline` stack. Converters
-(`migrate.common.layout`), checkpoints, the drill-down and the cost accounting all read it from
-here.
+`(r*S + s)*L + j` on stage s during repeat r, in-stage slot j (docs/pipeline.md, "Layer
+placement"). The other N - P = `num_layers_after_pipeline` run after it, outside the pipeline
+(scanned, on the batch the embedding and logits use): layer P + k is row k of the
+`layers_after_pipeline` stack. Converters (`migrate.common.layout`), checkpoints, the drill-down
+and the cost accounting all read it from here.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def place(cfg: Config, layer: int) -> Placement:
     pipelined = cfg.num_pipelined_layers
     if layer >= pipelined:
         return Placement(layer, row_after_pipeline=layer - pipelined)
-    repeat, stage, slot = schedule.placement(cfg)[layer]  # PIPELINE.md's formula, for 0..P-1
+    repeat, stage, slot = schedule.placement(cfg)[layer]  # docs/pipeline.md's formula, for 0..P-1
     return Placement(layer, repeat=repeat, stage=stage, slot=slot)
 
 

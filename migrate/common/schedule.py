@@ -1,7 +1,8 @@
 """Layer placement and the GPipe schedule: one source of truth for pipelines, converters, tests.
 
 Stage s during repeat r runs global layers `(r*S + s)*L + j`, j in 0..L-1, so a reference stack
-`[N, ...]` is the row-major flattening of the pipeline stack `[R, S, L, ...]`.
+`[N, ...]` is the row-major flattening of the pipeline stack `[R, S, L, ...]`. The schedule both
+twins run (iterations, circular storage, the forwarding delay, bubbles) is docs/pipeline.md's.
 """
 
 from __future__ import annotations

@@ -261,7 +261,7 @@ def _pipeline_violations(cfg: Config) -> list[str]:
     if cfg.num_pipeline_repeats != -1 and cfg.num_pipeline_repeats <= 0:
         out.append(
             f"num_pipeline_repeats={cfg.num_pipeline_repeats}: "
-            "must be positive, or -1 for num_decoder_layers / (S*L)"
+            "must be positive, or -1 for the pipelined layers / (S*L)"
         )
         return out
     p, n = cfg.pipeline_parallel_layers, cfg.base_num_decoder_layers

@@ -1,9 +1,9 @@
 """Linen pipeline (the original): stages vmapped over the `stage` mesh axis, circular repeats.
 
-Twin of `migrate/nnx/pipeline.py`. The behaviour is PIPELINE.md's. Weights are created once by
+Twin of `migrate/nnx/pipeline.py`. The behaviour is docs/pipeline.md's. Weights are created once by
 `nn.vmap` (stage axis `layers`, repeat axis `circular_repeats`); the iteration loop is functional:
-each iteration selects every stage's weights for its current repeat and applies `StageLayers`
-to the stage inputs under `jax.vmap(spmd_axis_name='stage')`, as MaxText's Linen pipeline does.
+each iteration selects every stage's weights for its current repeat and applies `StageLayers` to
+the stage inputs under `jax.vmap(spmd_axis_name='stage')`, as MaxText's Linen pipeline does.
 """
 
 from __future__ import annotations

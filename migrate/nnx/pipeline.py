@@ -1,9 +1,9 @@
 """NNX pipeline (the port): stages vmapped over the `stage` mesh axis, circular repeats.
 
-Twin of `migrate/linen/pipeline.py`. The behaviour is PIPELINE.md's. Weights are created once by
-`nnx.vmap` under `nnx.split_rngs`, with `nnx.transform_metadata` adding the stacked axis names
-(stage axis `layers`, repeat axis `circular_repeats`); the iteration loop is functional: split
-the stage module once, then `jax.vmap(spmd_axis_name='stage')` over `nnx.merge(graphdef, w)`.
+Twin of `migrate/linen/pipeline.py`. The behaviour is docs/pipeline.md's. Weights are created once
+by `nnx.vmap` under `nnx.split_rngs`, with `nnx.transform_metadata` adding the stacked axis names
+(stage axis `layers`, repeat axis `circular_repeats`); the iteration loop is functional: split the
+stage module once, then `jax.vmap(spmd_axis_name='stage')` over `nnx.merge(graphdef, w)`.
 
 `jax.vmap` over merged state rather than `nnx.vmap` in the loop: see docs/performance.md for the
 measured compile time and temp memory of both.

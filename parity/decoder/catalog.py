@@ -33,6 +33,10 @@ CHECK_NAMES: tuple[str, ...] = tuple(CHECKS)
 # one check that never allocates weights: `--checks=compile` works for the 7B config.
 ON_REQUEST = ("layers", "compile", "efficiency")
 ABSTRACT_CHECKS = ("compile", "efficiency")  # compile from shapes: no weights allocated
+# The checks that call the twins' functions in the harness's process (pipeline against
+# reference, bubbles, the drill-down, compile and efficiency from abstract shapes): not
+# available when the sides run in workers.
+LOCAL_ONLY = ("pipeline", "bubbles", "layers", "compile", "efficiency")
 EXIT_STATUSES = (
     ("0", "every check passed"),
     ("1", "a check failed: a real parity difference"),

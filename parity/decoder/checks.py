@@ -18,10 +18,9 @@ from parity.analysis import compare, hlo
 from parity.decoder import cost, slices
 from parity.decoder import efficiency as pipeline_work
 from parity.decoder.session import BUBBLE_POISON, DecoderPair
-from parity.engine import checks as engine_checks
-from parity.engine import programs
-from parity.engine.checks import run_records, vacuity
-from parity.engine.result import CheckResult, skipped, verdict
+from parity.engine import numeric, programs
+from parity.engine.numeric import run_records, vacuity
+from parity.engine.result import CheckResult, human_bytes, skipped, verdict
 
 # The pipeline check's parts: the global gradient norm clipping uses, computed on device from
 # the gradients as sharded over stage, fsdp and tensor, must equal the unpipelined reference's.
@@ -162,9 +161,9 @@ def compile_cost(pair: DecoderPair) -> CheckResult:
         }
     )
     per_device = ", ".join(
-        f"{name} args {_bytes(c.argument_bytes)} + temp {_bytes(c.temp_bytes)} + "
-        f"out {_bytes(c.output_bytes)} - aliased {_bytes(c.alias_bytes)} = peak "
-        f"{_bytes(c.peak_bytes)}, {c.flops:.3g} flops, {c.compile_source}"
+        f"{name} args {human_bytes(c.argument_bytes)} + temp {human_bytes(c.temp_bytes)} + "
+        f"out {human_bytes(c.output_bytes)} - aliased {human_bytes(c.alias_bytes)} = peak "
+        f"{human_bytes(c.peak_bytes)}, {c.flops:.3g} flops, {c.compile_source}"
         for name, c in (("linen", linen_cost), ("nnx", nnx_cost))
     )
     per_device += "; same optimised program" if same_program else "; programs differ"
@@ -311,13 +310,6 @@ def _kinds(counts: dict[str, int]) -> str:
     return ", ".join(f"{kind} {n}" for kind, n in counts.items() if n) or "none"
 
 
-def _bytes(count: float) -> str:
-    for unit, size in (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10)):
-        if count >= size:
-            return f"{count / size:.2f} {unit}"
-    return f"{int(count)} B"
-
-
 # The theory's formula: all N layers pipelined, or P of them with N - P after the pipeline.
 THEORY = {
     False: "(M*R + d*(S-1))/(M*R)",
@@ -364,16 +356,16 @@ def efficiency(pair: DecoderPair) -> CheckResult:
 
 # The `parity CONFIG` checks, in the order they run and are reported.
 CHECKS: dict[str, Callable[..., CheckResult]] = {
-    "roundtrip": engine_checks.roundtrip,
-    "init": engine_checks.init,
-    "forward": engine_checks.forward,
-    "grads": engine_checks.grads,
+    "roundtrip": numeric.roundtrip,
+    "init": numeric.init,
+    "forward": numeric.forward,
+    "grads": numeric.grads,
     "sharding": programs.sharding,
     "program": programs.program,
     "pipeline": pipeline,
     "bubbles": bubbles,
-    "train": engine_checks.train,
-    "layers": engine_checks.layers,
+    "train": numeric.train,
+    "layers": numeric.layers,
     "compile": compile_cost,
     "efficiency": efficiency,
 }

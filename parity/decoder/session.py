@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 from migrate.checkpoints import convert
 from migrate.common import sharding as sharding_lib
 from migrate.config.contract import Config
 from parity.analysis import compare
-from parity.decoder import flow, twins
+from parity.decoder import drilldown, twins
 from parity.decoder.data import synthetic_batch
 from parity.decoder.sides import LinenDecoderSide, NNXDecoderSide
-from parity.engine.pair import SOURCES, Pair
-from parity.engine.pair import vacuity_problems as pair_vacuity
+from parity.engine.pair import SOURCES, Pair, lm_vacuity_problems
 from parity.engine.result import exact_records
 from parity.engine.side import Run
 from parity.multiprocess import distributed
@@ -77,10 +75,10 @@ class DecoderPair(Pair):
         return synthetic_batch(self.cfg, self.mesh, step=step, split=split)
 
     def rank(self, tensor: str) -> Any:
-        return flow.data_flow_rank(tensor)
+        return drilldown.data_flow_rank(tensor)
 
     def vacuity(self, run: Run) -> list[str]:
-        return vacuity_problems(run, self.cfg.vocab_size)
+        return lm_vacuity_problems(run, self.cfg.vocab_size)
 
     @property
     def linen_variables(self) -> Any:
@@ -142,12 +140,3 @@ class DecoderPair(Pair):
             return self.run(framework, "linen")
         side = self._side(framework, bubble_fill=bubble_fill)
         return side.run(self.weights(framework, "linen"))
-
-
-def vacuity_problems(run: Run, vocab_size: int) -> list[str]:
-    """Reasons a decoder run proves nothing: a zero gradient norm, all-zero logits, a loss
-    sitting at ln(vocab) (uniform predictions)."""
-    problems = pair_vacuity(run, "logits")
-    if abs(float(run.loss) - math.log(vocab_size)) < 1e-4:
-        problems.append(f"loss {float(run.loss):.6f} sits at ln(vocab)={math.log(vocab_size):.6f}")
-    return problems

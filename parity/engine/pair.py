@@ -124,3 +124,12 @@ def vacuity_problems(run: Run, output_name: str = "outputs") -> list[str]:
     if leaves and not any(np.any(leaf != 0) for leaf in leaves):
         problems.append(f"{output_name} are all zero")
     return problems
+
+
+def lm_vacuity_problems(run: Run, vocab_size: int) -> list[str]:
+    """Reasons a language model's run proves nothing: those of `vacuity_problems` (its outputs
+    are logits) and a loss sitting at ln(vocab) (uniform predictions)."""
+    problems = vacuity_problems(run, "logits")
+    if abs(float(run.loss) - math.log(vocab_size)) < 1e-4:
+        problems.append(f"loss {float(run.loss):.6f} sits at ln(vocab)={math.log(vocab_size):.6f}")
+    return problems

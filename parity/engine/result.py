@@ -85,6 +85,14 @@ def whole_lines(text: str, limit: int) -> str:
     return "\n".join(kept + ([f"  ... and {left} more lines"] if left else []))
 
 
+def human_bytes(count: float) -> str:
+    """A byte count for a check's message: `1.50 GiB`, `12.00 KiB`, `512 B`."""
+    for unit, size in (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10)):
+        if count >= size:
+            return f"{count / size:.2f} {unit}"
+    return f"{int(count)} B"
+
+
 def errored(name: str, error: Exception) -> CheckResult:
     """A check that raised. A `PARITY_ERRORS` exception (converter errors list every path) is a
     failed check; so is a `SideError` of the NNX side (the port raises where its original

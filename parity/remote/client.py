@@ -2,7 +2,7 @@
 turn its death, a hang or a broken reply into `WorkerLost` (exit 3) naming the worker.
 
     worker = Worker(python="/path/to/other/venv/bin/python", pythonpath=[checkout], name="nnx")
-    info = worker.start("parity.remote.twins:make", options, batch)
+    info = worker.start("parity.decoder.remote_twins:make", options, batch)
     reply = worker.call("own_weights")
 
 Every call waits at most `timeout_s` (the first, which builds the side, `start_timeout_s`);
@@ -16,7 +16,6 @@ import collections
 import contextlib
 import os
 import queue
-import re
 import shutil
 import subprocess
 import sys
@@ -37,43 +36,19 @@ STDERR_LINES = 200
 
 class WorkerError(Exception):
     """An exception the worker reported: `where` is `model` (the side's own code), `config`
-    (its release reading the config or building its mesh: `release` names it) or `worker` (the
-    server), `remote_type` and `detail` the worker's exception and traceback."""
+    (a config reader of its factory: `release` names the packages its factory declares,
+    `summary` is the refusal as one line) or `worker` (the server), `remote_type` and `detail`
+    the worker's exception and traceback."""
 
     def __init__(self, name: str, error: dict[str, Any]) -> None:
         self.worker = name
         self.where = error.get("where", "worker")
         self.release = str(error.get("release", ""))
+        self.summary = str(error.get("summary", ""))
         self.remote_type = str(error.get("type", "Exception"))
         self.remote_module = str(error.get("module", ""))
         self.detail = str(error.get("detail", ""))
         super().__init__(str(error.get("message", "")))
-
-
-_UNKNOWN_KEY = re.compile(r"""^["']?'([^']+)' not in '""")
-_PYDANTIC = re.compile(r"^(\d+) validation errors? for \w+$")
-
-
-def config_error_line(message: str) -> str:
-    """A release's refusal of a config as one short line: of a pydantic validation error its
-    first field line (`field: message`, without pydantic's `[type=...]` tail), of an unknown key
-    (MaxText lists every valid key after it) just the key, else the first line, shortened."""
-    lines = [line for line in message.strip().splitlines() if line.strip()]
-    if not lines:
-        return "(no message)"
-    if match := _UNKNOWN_KEY.match(lines[0]):
-        return f"unknown key {match[1]!r}"
-    header = _PYDANTIC.match(lines[0].strip())
-    if header and len(lines) > 1:
-        field, text = "", lines[1]
-        if not lines[1].startswith(" ") and len(lines) > 2:  # `field` then its indented message
-            field, text = lines[1].strip() + ": ", lines[2]
-        text = re.sub(r"\s*\[type=.*$", "", text.strip())
-        more = int(header[1]) - 1
-        line = field + text + (f" (and {more} more validation errors)" if more > 0 else "")
-    else:
-        line = lines[0].strip()
-    return line if len(line) <= 300 else line[:297] + "..."
 
 
 def check_interpreter(python: str) -> str:
@@ -199,11 +174,11 @@ class Worker:
             return self.call(
                 "start", self.start_timeout_s, factory=factory, options=options, batch=manifest
             )
-        except WorkerError as e:  # the release refused the config: bad input, not a bug
+        except WorkerError as e:  # a config reader refused the config: bad input, not a bug
             if e.where != "config":
                 raise
             who = f"{e.release} (the {self.name} side)" if e.release else f"the {self.name} side"
-            raise BadInput(f"{who} rejects the config: {config_error_line(str(e))}") from None
+            raise BadInput(f"{who} rejects the config: {e.summary or str(e)}") from None
 
     def send_tree(self, tree: Any, names: dict | None = None) -> dict[str, Any]:
         start = time.perf_counter()
@@ -310,13 +285,15 @@ class WorkerSet(dict):
         return calls, sum(w.transfer_seconds() for w in self.values())
 
     def describe(self, environments: dict[str, Any]) -> str:
-        """Each side's interpreter, the versions its worker reported, its checkout if any."""
+        """Each side's interpreter, the versions its worker reported (the packages its factory
+        declares, then Python, JAX and flax), its checkout if any."""
         parts = []
         for side, worker in self.items():
+            reported = {**worker.info.get("packages", {}), **worker.info}
             versions = ", ".join(
-                f"{name} {worker.info[name]}"
-                for name in ("maxtext", "python", "jax", "flax")
-                if name in worker.info
+                f"{name} {reported[name]}"
+                for name in (*worker.info.get("packages", {}), "python", "jax", "flax")
+                if name in reported
             )
             path = environments[side].path
             parts.append(

@@ -15,10 +15,6 @@ from migrate.errors import BadInput
 from parity.remote.client import REPO, check_interpreter
 
 SIDES = ("linen", "nnx")
-# The checks that call the twins' functions in the harness's process (pipeline against
-# reference, bubbles, the drill-down, compile and efficiency from abstract shapes): not
-# available when the sides run in workers.
-LOCAL_ONLY = ("pipeline", "bubbles", "layers", "compile", "efficiency")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +37,13 @@ _PROBE = (
 )
 
 
-def require_module(python: str, module: str, what: str, paths: Sequence[str] = ()) -> None:
-    """BadInput (`WHAT: has no MODULE installed`) when `python`, with `paths` first on its path
-    as its worker's, cannot import `module`. An interpreter that cannot answer the question (it
-    fails or hangs) is left to its worker, which reports what happens there."""
+def require_module(
+    python: str, module: str, what: str, paths: Sequence[str] = (), name: str | None = None
+) -> None:
+    """BadInput (`WHAT: has no NAME installed`, NAME defaulting to the module's) when `python`,
+    with `paths` first on its path as its worker's, cannot import `module`. An interpreter that
+    cannot answer the question (it fails or hangs) is left to its worker, which reports what
+    happens there."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, str(REPO)])}
     try:
         done = subprocess.run(
@@ -58,23 +57,31 @@ def require_module(python: str, module: str, what: str, paths: Sequence[str] = (
     except (OSError, subprocess.SubprocessError):
         return
     if done.returncode == 0 and done.stdout.strip() == "missing":
-        name = "MaxText" if module == "maxtext" else module
-        raise BadInput(f"{what}: has no {name} installed (No module named {module!r})")
+        raise BadInput(f"{what}: has no {name or module} installed (No module named {module!r})")
 
 
-def checkout(path: str, flag: str) -> str:
+def checkout(path: str, flag: str, needs: Sequence[str] = ()) -> str:
+    """`path` resolved, or BadInput where it is no checkout of this project with workers, or
+    lacks a file of `needs` (the module of the factory its workers will run)."""
     root = Path(path)
     if not (root / "parity" / "remote" / "worker.py").is_file():
         raise BadInput(
             f"--{flag}={path}: not a checkout of this project with workers "
             "(no parity/remote/worker.py there)"
         )
+    missing = [name for name in needs if not (root / name).is_file()]
+    if missing:
+        raise BadInput(
+            f"--{flag}={path}: that checkout has no {missing[0]} (a version of the project "
+            "from before its worker factory moved there); use a newer checkout"
+        )
     return str(root.resolve())
 
 
-def from_flags(flags: Any) -> dict[str, Environment] | None:
+def from_flags(flags: Any, needs: Sequence[str] = ()) -> dict[str, Environment] | None:
     """Each side's environment when any `--{side}_python` / `--{side}_path` is given (a side
-    without its own runs in this interpreter and checkout, in a worker too); else None."""
+    without its own runs in this interpreter and checkout, in a worker too); else None. A
+    checkout must hold the files of `needs` (`checkout`)."""
     given = {
         (side, kind): flags[f"{side}_{kind}"].value for side in SIDES for kind in ("python", "path")
     }
@@ -90,7 +97,7 @@ def from_flags(flags: Any) -> dict[str, Environment] | None:
         path = given[side, "path"]
         out[side] = Environment(
             python=check_interpreter(python),
-            path=checkout(path, f"{side}_path") if path else None,
+            path=checkout(path, f"{side}_path", needs) if path else None,
             timeout_s=flags["worker_timeout_s"].value,
         )
     return out

@@ -4,17 +4,25 @@
 
 The first request, `start`, names the FACTORY (`module:function`), called with its `options`
 and the pair's batch; it returns `(side, place_batch)`: the Side to serve and a function that
-puts a host batch where the side's programs want it.
+puts a host batch where the side's programs want it. The factory's module may declare, beside
+it (the worker reads them; none is required):
+- `CONFIG_READERS`: `(module, function)` pairs the factory calls to read its config or build
+  its mesh: an exception (or `SystemExit`) raised inside one of them, called by the factory
+  itself, is the config's fault (bad input), not the tool's;
+- `PACKAGES`: distribution names whose installed versions the worker reports (`start`'s
+  `packages`, and the `release` of a config error);
+- `config_error_line(message) -> str`: a config error's message as one short line (the first
+  line, shortened, where the module declares none).
 
 Requests arrive on stdin, one JSON object per line: `{"op": ..., ...}`; each gets exactly one
 reply line on stdout: `{"ok": {...}}` or `{"error": {"type", "module", "message", "detail",
 "where"}}`, `where` being `model` for an exception of the side's own code (its model, its
-converters), `config` for one its release raised reading the config or building its mesh
-(`CONFIG_READERS`: bad input; with `release`), and `worker` for one of this server; with
-`"compiles"`, the XLA compilations the call made (`parity.engine.compiles` events), which the
-harness counts as its own. Anything else the side prints goes to stderr (stdout is the
-protocol's). Native weights, trainers and optimizer states stay here, under integer handles;
-only the common form, plain trees and results travel.
+converters), `config` for one raised by a config reader (bad input; with `release` and
+`summary`), and `worker` for one of this server; with `"compiles"`, the XLA compilations the
+call made (`parity.engine.compiles` events), which the harness counts as its own. Anything else
+the side prints goes to stderr (stdout is the protocol's). Native weights, trainers and
+optimizer states stay here, under integer handles; only the common form, plain trees and
+results travel.
 
 Imports nothing of the project at the top but `parity.remote.protocol` (stdlib and numpy): the
 factory brings what its side needs.
@@ -38,33 +46,33 @@ from parity.remote import protocol
 
 class _ModelError(Exception):
     """An exception of the served side's own code, carried to the reply: `where` `model`, or
-    `config` for one its release raised reading the config or building the mesh (`facts`: the
-    release, added to the reply)."""
+    `config` for one a config reader raised (`facts`: the release and the one-line summary,
+    added to the reply)."""
 
     def __init__(self, error: BaseException, where: str = "model", **facts: str) -> None:
         super().__init__(str(error))
         self.error, self.where, self.facts = error, where, facts
 
 
-# What a factory calls to read its config and build its mesh (module, function): an exception
-# raised inside one of these, called by the factory itself, is the config's fault (bad input),
-# not the tool's. MaxText's `pyconfig.initialize` (unknown keys, pydantic validation) and
-# `get_mesh_from_config` (`parity.remote.maxtext.make`).
-CONFIG_READERS = (
-    ("maxtext.configs.pyconfig", "initialize"),
-    ("maxtext.utils.maxtext_utils", "get_mesh_from_config"),
-)
-
-
-def raised_reading_config(error: BaseException, factory: Callable) -> bool:
-    """Whether `error` came out of a `CONFIG_READERS` call made by `factory` itself."""
+def raised_reading_config(
+    error: BaseException, factory: Callable, readers: tuple[tuple[str, str], ...]
+) -> bool:
+    """Whether `error` came out of a call to one of `readers` (`(module, function)`) made by
+    `factory` itself."""
     frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
     code = getattr(factory, "__code__", None)
     for caller, called in itertools.pairwise(frames):
         if caller.f_code is code:
             where = (called.f_globals.get("__name__"), called.f_code.co_name)
-            return where in CONFIG_READERS
+            return where in readers
     return False
+
+
+def first_line(message: str, limit: int = 300) -> str:
+    """A message's first non-blank line, shortened to `limit` characters."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    line = lines[0] if lines else "(no message)"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _model(call: Callable[[], Any]) -> Any:
@@ -160,25 +168,29 @@ class Server:
         from importlib import metadata
 
         module_name, _, function = factory.partition(":")
-        make = getattr(importlib.import_module(module_name), function)
+        module = importlib.import_module(module_name)
+        make = getattr(module, function)
         host_batch = protocol.nest(protocol.read_tree(self.directory, batch)[0])
         packages = {}
-        for name in ("maxtext",):
+        for name in getattr(module, "PACKAGES", ()):
             with contextlib.suppress(metadata.PackageNotFoundError):
                 packages[name] = metadata.version(name)
         try:
             self.side, self.place_batch = make(options, host_batch.get("batch"))
-        except (Exception, SystemExit) as e:  # MaxText's config handler may sys.exit(2)
-            if not raised_reading_config(e, make):
+        except (Exception, SystemExit) as e:  # a config reader may exit instead of raising
+            if not raised_reading_config(e, make, getattr(module, "CONFIG_READERS", ())):
                 raise _ModelError(e) from e
             release = " ".join(f"{k} {v}" for k, v in packages.items())
             cause = e.__context__ if isinstance(e, SystemExit) and e.__context__ else e
-            raise _ModelError(cause, "config", release=release) from e
+            summarise = getattr(module, "config_error_line", first_line)
+            raise _ModelError(
+                cause, "config", release=release, summary=summarise(str(cause))
+            ) from e
         import flax
         import jax
 
         return {
-            **packages,
+            "packages": packages,
             "framework": self.side.framework,
             "python": sys.version.split()[0],
             "jax": jax.__version__,

@@ -100,31 +100,8 @@ class Outputs:
                 )
         return status
 
-    def golden_result(self, pair: Any, write: bool) -> Any:
-        """The `golden` check: the current sharding report against the golden file (written
-        when there is none, or with --update_golden). `write`: this process writes and prints."""
-        from parity.decoder import golden  # JAX
-        from parity.engine.result import CheckResult
-
-        path, current = self.golden, golden.golden_sharding(pair.cfg, pair.mesh)
-        if self.golden_data is None:
-            if write:
-                path.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
-                _progress(f"golden sharding report written: {path}")
-            return CheckResult(
-                "golden", True, "differences", 0.0, 0.0, str(path), message="written"
-            )
-        differences = report.golden_differences(self.golden_data, current)
-        for line in differences if write else ():
-            print(report.printable(f"  golden {line}"))
-        return CheckResult(
-            "golden",
-            not differences,
-            "differences",
-            float(len(differences)),
-            0.0,
-            differences[0] if differences else str(path),
-            details=tuple({"difference": d, "passed": False} for d in differences),
-            message=f"compared with {path}"
-            + ("; rerun with --update_golden to accept" if differences else ""),
-        )
+    def write_golden(self, current: dict[str, Any]) -> None:
+        """The golden sharding report, written where `--golden` names it (sorted JSON)."""
+        assert self.golden is not None
+        self.golden.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
+        _progress(f"golden sharding report written: {self.golden}")

@@ -238,22 +238,10 @@ def write_plot(results: Sequence[Any], name: str, path: str | Path) -> bool:
     return True
 
 
-def golden_differences(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
-    """Per-key differences between a stored golden sharding report and the current one."""
-    lines = []
-    for key in sorted(set(expected) | set(actual)):
-        if key not in actual:
-            lines.append(f"- {key}: in golden, not in current")
-        elif key not in expected:
-            lines.append(f"+ {key}: new, not in golden: {actual[key]}")
-        elif expected[key] != actual[key]:
-            for field in sorted(set(expected[key]) | set(actual[key])):
-                if expected[key].get(field) != actual[key].get(field):
-                    lines.append(
-                        f"~ {key}: {field}: golden {expected[key].get(field)} -> "
-                        f"current {actual[key].get(field)}"
-                    )
-    return lines
+def print_golden_differences(differences: list[str]) -> None:
+    """The `golden` check's differences, one line each, under the verdict table's run."""
+    for line in differences:
+        print(printable(f"  golden {line}"))
 
 
 # ------------------------------------------------------------------ plain text

@@ -1,13 +1,13 @@
 """A MaxText 0.2.3 checkpoint across the release boundary, gated: written by 0.2.3's own
 `train.py`, restored by 0.2.5's own restore path, compared leaf by leaf, then trained one more
-step by each release (`parity.remote.maxtext_train` in each release's worker).
+step by each release (`parity.maxtext.train_factory` in each release's worker).
 
-    python -m parity.remote.maxtext_checkpoint configs/maxtext/pp4.yml [key=value ...]
+    python -m parity.maxtext.checkpoint_gate configs/maxtext/pp4.yml [key=value ...]
 
 What the check compares (one `CheckResult`, `checkpoint`, exact: the releases run the same
 arithmetic, `docs/maxtext.md`):
 - `restored/...`: the state 0.2.5 restores (its `TrainStateNNX`, mapped onto the Linen layout
-  by the declared `migrate.checkpoints.maxtext_state.NNX_TO_LINEN`) against the state 0.2.3
+  by the declared `migrate.checkpoints.maxtext_layouts.NNX_TO_LINEN`) against the state 0.2.3
   restores from the same files: every parameter, both Adam moments, the counts, the step
   (its value; the dtype difference is declared); NNX-only leaves (RNG state) are listed;
 - `restored/logits`: each release's restored model's own logits on the same tokens;
@@ -33,14 +33,14 @@ from typing import Any
 
 import numpy as np
 
-from migrate.checkpoints import maxtext_state
+from migrate.checkpoints import maxtext_layouts
 from parity.analysis import compare
 from parity.engine import result
+from parity.maxtext.gate_config import MaxTextConfig, batch
+from parity.maxtext.train_factory import LOGITS
 from parity.remote.client import Worker, WorkerSet
-from parity.remote.maxtext_config import MaxTextConfig, batch
-from parity.remote.maxtext_train import LOGITS
 
-FACTORY = "parity.remote.maxtext_train:make"
+FACTORY = "parity.maxtext.train_factory:make"
 METRICS = ("learning/loss", "learning/grad_norm", "learning/raw_grad_norm")
 TOLERANCE = compare.EXACT  # the same program on both releases: no looser tier
 
@@ -54,9 +54,9 @@ def call(worker: Worker, method: str, **kwargs: Any) -> tuple[dict, dict]:
 
 def as_linen(nnx_flat: dict) -> tuple[dict, list]:
     """The NNX state's leaves on the Linen layout's paths, and the NNX-only paths."""
-    only = [p for p in nnx_flat if maxtext_state.nnx_only(p)]
-    kept = {p: a for p, a in nnx_flat.items() if not maxtext_state.nnx_only(p)}
-    return maxtext_state.NNX_TO_LINEN.forward(kept), only
+    only = [p for p in nnx_flat if maxtext_layouts.nnx_only(p)]
+    kept = {p: a for p, a in nnx_flat.items() if not maxtext_layouts.nnx_only(p)}
+    return maxtext_layouts.NNX_TO_LINEN.forward(kept), only
 
 
 def state_records(prefix: str, linen: dict, nnx_flat: dict) -> list[dict]:
@@ -79,14 +79,14 @@ def state_records(prefix: str, linen: dict, nnx_flat: dict) -> list[dict]:
         record = result.numeric_records(
             prefix, [compare.leaf_diff("/".join(path), ours, theirs)], TOLERANCE
         )[0]
-        record["kind"] = maxtext_state.leaf_kind(path)
+        record["kind"] = maxtext_layouts.leaf_kind(path)
         record["mapped"] = True  # every leaf has another path in the NNX state (NNX_TO_LINEN)
         record["passed"] = record["passed"] and record["mismatches"] == 0
         if str(ours.dtype) != str(theirs.dtype):
             record["dtype"] = f"0.2.3 {theirs.dtype} vs 0.2.5 {ours.dtype}"
             declared = path == ("step",) and (str(theirs.dtype), str(ours.dtype)) == (
-                maxtext_state.STEP_DTYPES["linen"],
-                maxtext_state.STEP_DTYPES["nnx"],
+                maxtext_layouts.STEP_DTYPES["linen"],
+                maxtext_layouts.STEP_DTYPES["nnx"],
             )
             record["passed"] = record["passed"] and declared
             record["note"] = "declared dtype difference" if declared else "dtype differs"
@@ -128,7 +128,7 @@ def vacuity(linen_restored: dict, metrics: list[dict]) -> list[str]:
     """A checkpoint that proves nothing: moments still zero, or a loss that is not finite."""
     problems = []
     for moment in ("mu", "nu"):
-        leaves = [a for p, a in linen_restored.items() if maxtext_state.leaf_kind(p) == moment]
+        leaves = [a for p, a in linen_restored.items() if maxtext_layouts.leaf_kind(p) == moment]
         if not leaves or all(not np.any(a) for a in leaves):
             problems.append(f"the written checkpoint's Adam {moment} is all zero")
     if not all(np.isfinite(m["learning/loss"]) for m in metrics):
@@ -163,10 +163,22 @@ def cross_release(
         for side in ("linen", "nnx"):
             shutil.copytree(directory / "written", directory / f"resumed-{side}")
         tokens = batch(config.keys, config.num_devices, 0, 0, "eval")["inputs"]
-        restored_l, facts_l = call(linen, "restore", directory=root, run_name="resumed-linen",
-                                   steps=steps + 1, tokens=tokens.tolist())  # fmt: skip
-        restored_n, facts_n = call(nnx, "restore", directory=root, run_name="resumed-nnx",
-                                   steps=steps + 1, tokens=tokens.tolist())  # fmt: skip
+        restored_l, facts_l = call(
+            linen,
+            "restore",
+            directory=root,
+            run_name="resumed-linen",
+            steps=steps + 1,
+            tokens=tokens.tolist(),
+        )
+        restored_n, facts_n = call(
+            nnx,
+            "restore",
+            directory=root,
+            run_name="resumed-nnx",
+            steps=steps + 1,
+            tokens=tokens.tolist(),
+        )
         logits_l, logits_n = restored_l.pop(LOGITS), restored_n.pop(LOGITS)
         _, trained_l = call(
             linen,
@@ -205,9 +217,13 @@ def cross_release(
     records += state_records(f"step {steps}", after_l, after_n)
     records += state_records("reverse", reverse_l, after_n)
     records.append(
-        result.fact_record("reverse/first_step", reverse_facts["first_step"] == steps + 1,
-                           reverse_facts["first_step"], steps + 1)
-    )  # fmt: skip
+        result.fact_record(
+            "reverse/first_step",
+            reverse_facts["first_step"] == steps + 1,
+            reverse_facts["first_step"],
+            steps + 1,
+        )
+    )
     problems = vacuity(restored_l, written["metrics"] + trained_l["metrics"])
     if np.ptp(logits_l) == 0:
         problems.append("the restored model's logits are constant")
@@ -261,20 +277,20 @@ def kind_table(records: tuple[dict, ...] | list[dict]) -> list[dict]:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m parity.remote.maxtext_checkpoint CONFIG [key=value ...]`: the exit status."""
+    """`python -m parity.maxtext.checkpoint_gate CONFIG [key=value ...]`: the exit status."""
     from migrate.errors import BadInput
     from migrate.runtime import cli_support
-    from parity.remote import maxtext_config
+    from parity.maxtext import gate_config
     from parity.remote.environments import Environment
     from parity.reports import report
 
     def run() -> int:
         if len(argv) < 2:
             raise BadInput("usage: maxtext_checkpoint CONFIG [key=value ...]")
-        config = maxtext_config.load(argv[1], argv[2:])
+        config = gate_config.load(argv[1], argv[2:])
         environments = {}
-        for side, release in maxtext_config.RELEASES.items():
-            python = maxtext_config.default_python(side)
+        for side, release in gate_config.RELEASES.items():
+            python = gate_config.default_python(side)
             if python is None:
                 raise BadInput(f"no MaxText {release} environment: make maxtext-envs")
             environments[side] = Environment(python)

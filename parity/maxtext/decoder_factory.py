@@ -1,5 +1,5 @@
-"""The worker's factory for MaxText's own decoder (`parity.remote.maxtext:make`), run in a
-MaxText environment (`tools/maxtext/install.sh`): 0.2.3's Linen `TransformerLinenPure`, or
+"""The worker's factory for MaxText's own decoder (`parity.maxtext.decoder_factory:make`), run
+in a MaxText environment (`bench/maxtext/install.sh`): 0.2.3's Linen `TransformerLinenPure`, or
 0.2.5's NNX `Transformer`, each built from MaxText's own `configs/base.yml` plus the
 overrides, on MaxText's own mesh and logical rules.
 
@@ -24,11 +24,20 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import re
 from importlib import metadata
 from typing import Any
 
 from parity.remote import protocol
 
+# What the worker reads beside `make` (`parity.remote.worker`): the calls that read MaxText's
+# config and build its mesh (an exception inside them is the config's fault: bad input, not a
+# bug), and the package whose version names the release.
+CONFIG_READERS = (
+    ("maxtext.configs.pyconfig", "initialize"),
+    ("maxtext.utils.maxtext_utils", "get_mesh_from_config"),
+)
+PACKAGES = ("maxtext",)
 DEFAULTS = {  # what every gate run needs whatever the shape: CPU, no cloud, no checkpoints
     "run_name": "parity",
     "hardware": "cpu",
@@ -39,6 +48,32 @@ DEFAULTS = {  # what every gate run needs whatever the shape: CPU, no cloud, no 
     "enable_dropout": False,
     "dropout_rate": 0.0,
 }
+
+
+_UNKNOWN_KEY = re.compile(r"""^["']?'([^']+)' not in '""")
+_PYDANTIC = re.compile(r"^(\d+) validation errors? for \w+$")
+
+
+def config_error_line(message: str) -> str:
+    """MaxText's refusal of a config as one short line: of a pydantic validation error its
+    first field line (`field: message`, without pydantic's `[type=...]` tail), of an unknown key
+    (MaxText lists every valid key after it) just the key, else the first line, shortened."""
+    lines = [line for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return "(no message)"
+    if match := _UNKNOWN_KEY.match(lines[0]):
+        return f"unknown key {match[1]!r}"
+    header = _PYDANTIC.match(lines[0].strip())
+    if header and len(lines) > 1:
+        field, text = "", lines[1]
+        if not lines[1].startswith(" ") and len(lines) > 2:  # `field` then its indented message
+            field, text = lines[1].strip() + ": ", lines[2]
+        text = re.sub(r"\s*\[type=.*$", "", text.strip())
+        more = int(header[1]) - 1
+        line = field + text + (f" (and {more} more validation errors)" if more > 0 else "")
+    else:
+        line = lines[0].strip()
+    return line if len(line) <= 300 else line[:297] + "..."
 
 
 def _names(variable: Any) -> tuple | None:
@@ -86,11 +121,14 @@ class MaxTextSide:
 
                 def call(plain: Any, batch: Any) -> tuple[Any, Any]:
                     logits, mutated = model.apply(
-                        plain, batch["inputs"], batch["inputs_position"],
-                        decoder_segment_ids=batch["inputs_segmentation"], enable_dropout=False,
+                        plain,
+                        batch["inputs"],
+                        batch["inputs_position"],
+                        decoder_segment_ids=batch["inputs_segmentation"],
+                        enable_dropout=False,
                         rngs={"dropout": keys["dropout"], "params": keys["aqt"]},
                         mutable=["intermediates"],
-                    )  # fmt: skip
+                    )
                     return logits, mutated.get("intermediates", {})
 
                 self._call = call
@@ -105,9 +143,11 @@ class MaxTextSide:
                 nnx.replace_by_pure_dict(state, plain["params"])
                 merged = nnx.merge(graphdef, state, rest, copy=True)
                 out = merged(
-                    batch["inputs"], batch["inputs_position"],
-                    decoder_segment_ids=batch["inputs_segmentation"], enable_dropout=False,
-                )  # fmt: skip
+                    batch["inputs"],
+                    batch["inputs_position"],
+                    decoder_segment_ids=batch["inputs_segmentation"],
+                    enable_dropout=False,
+                )
                 sown = nnx.to_pure_dict(nnx.state(merged, nnx.Intermediate))
                 return (out[0] if isinstance(out, tuple) else out), sown
 
@@ -289,8 +329,12 @@ class MaxTextSide:
 
         with self._context():
             opt_state = self.tx.init(params)
-        return Trainer(params, opt_state, _in_context(jax.jit(step), self._context),
-                       _in_context(jax.jit(evaluate), self._context))  # fmt: skip
+        return Trainer(
+            params,
+            opt_state,
+            _in_context(jax.jit(step), self._context),
+            _in_context(jax.jit(evaluate), self._context),
+        )
 
     def drill_stages(self, weights: Any) -> list:
         return []

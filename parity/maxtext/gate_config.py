@@ -3,7 +3,7 @@ MaxText's own keys (as its users type them on `train.py`'s command line), `key=v
 overrides on top, the environments of the two releases, and the synthetic batch both sides run
 on (numpy). No JAX, no MaxText.
 
-    # configs/maxtext/llama2-tiny-pp4.yml
+    # configs/maxtext/pp4.yml
     maxtext:
       decoder_block: llama2
       ici_pipeline_parallelism: 4
@@ -24,7 +24,6 @@ from migrate.config import safe_load
 from migrate.errors import BadInput
 from parity.decoder import catalog
 from parity.remote.client import REPO
-from parity.remote.environments import LOCAL_ONLY
 
 MAX_BYTES = 1 << 16
 REQUIRED = ("per_device_batch_size", "max_target_length", "vocab_size")
@@ -32,10 +31,10 @@ REQUIRED = ("per_device_batch_size", "max_target_length", "vocab_size")
 RELEASES = {"linen": "0.2.3", "nnx": "0.2.5"}
 CHECKS = ("roundtrip", "init", "forward", "grads", "sharding", "train", "compile")  # the default
 # The checks this gate computes its own way (the decoder's read the twins' functions directly):
-# `compile` from the programs the workers compiled (`parity.remote.maxtext_cost`); `layers`
-# says what MaxText does not expose (`maxtext_pair.LAYERS_NOT_EXPOSED`); `checkpoint` (on
+# `compile` from the programs the workers compiled (`parity.maxtext.compile_check`); `layers`
+# says what MaxText does not expose (`release_pair.LAYERS_NOT_EXPOSED`); `checkpoint` (on
 # request: MaxText's own train.py writes, each release restores and trains one more step,
-# `parity.remote.maxtext_checkpoint`) exists only here.
+# `parity.maxtext.checkpoint_gate`) exists only here.
 OWN_CHECKS = ("compile", "layers", "checkpoint")
 CHECK_NAMES = (*catalog.CHECK_NAMES, "checkpoint")  # what --checks may name with --maxtext
 ICI = re.compile(r"^ici_(\w+)_parallelism$")
@@ -57,11 +56,15 @@ class MaxTextConfig:
     def describe(self) -> str:
         shown = ", ".join(
             f"{k}={self.keys[k]}"
-            for k in ("ici_pipeline_parallelism", "num_pipeline_microbatches",
-                      "num_pipeline_repeats", "num_layers_per_pipeline_stage",
-                      "base_num_decoder_layers")
+            for k in (
+                "ici_pipeline_parallelism",
+                "num_pipeline_microbatches",
+                "num_pipeline_repeats",
+                "num_layers_per_pipeline_stage",
+                "base_num_decoder_layers",
+            )
             if k in self.keys
-        )  # fmt: skip
+        )
         return f"MaxText {self.model_name}: {self.num_devices} devices, {shown}"
 
 
@@ -128,17 +131,20 @@ def environments(flags: Any) -> dict[str, Any]:
         path = flags[f"{side}_path"].value
         out[side] = Environment(
             python=check_interpreter(python),
-            path=checkout(path, f"{side}_path") if path else None,
+            path=checkout(path, f"{side}_path", ["parity/maxtext/decoder_factory.py"])
+            if path
+            else None,
             timeout_s=flags["worker_timeout_s"].value,
         )
-        require_module(out[side].python, "maxtext", what, [out[side].path] if path else [])
+        paths = [out[side].path] if path else []
+        require_module(out[side].python, "maxtext", what, paths, name="MaxText")
     return out
 
 
 def runnable(selected: list[str]) -> tuple[list[str], list[str]]:
     """(the selected checks this gate runs, those it cannot: they call the project's twins in
     the harness's process); BadInput when none is left to run."""
-    local = set(LOCAL_ONLY) - set(OWN_CHECKS)
+    local = set(catalog.LOCAL_ONLY) - set(OWN_CHECKS)
     cannot = [c for c in selected if c in local]
     runs = [c for c in selected if c not in local]
     if not runs:

@@ -1,4 +1,5 @@
-"""MaxText checkpoints <-> the twins' checkpoints, through a declared weight map.
+"""MaxText's on-disk layouts as data: its checkpoints <-> the twins', and its training state
+in its two forms (the Linen layout on disk, the `TrainStateNNX` 0.2.5 restores it into).
 
 A MaxText checkpoint is a step directory of its `CheckpointManager` (`RUN/checkpoints/<n>/`,
 the state under `items/`) in the Linen layout that both releases write: `{step, params:
@@ -16,6 +17,13 @@ the gradient). Exact both ways when `sqrt(head_dim)` is a power of two (head_dim
 Carried: parameters, both moments, the Adam count; MaxText's schedule count (`opt_state/2`)
 equals the Adam count and is rebuilt from it on the way back; 0.2.5's RNG state is dropped
 (reported). Reads hold the checkpoint in host memory once (tiny to mid-size checkpoints).
+
+The training state (`NNX_TO_LINEN`): 0.2.5 restores the Linen layout into its `TrainStateNNX`
+(`{model: ..., optimizer: {step, opt_state: {0: {count, mu, nu}, 2: {count}}}}`, plus the
+model's RNG state); the map puts the restored leaves back on the Linen layout's paths, strictly.
+`NNX_ONLY` are the leaves the Linen layout has no place for (the RNG streams' keys and counts:
+0.2.5 writes them under `nnx_aux`, 0.2.3 knows none); `STEP_DTYPES` is the one declared dtype
+difference. No JAX.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from migrate.checkpoints.meta import CheckpointError
-from migrate.checkpoints.weight_map import Entry, WeightMap
+from migrate.checkpoints.weight_map import Entry, WeightMap, match
 
 PREFIX = ("params", "params")
 MOMENTS = ("mu", "nu")
@@ -213,3 +221,41 @@ def from_twins(
     out[("opt_state", "0", "count")] = np.asarray(count)
     out[("opt_state", "2", "count")] = np.asarray(count)
     return out
+
+
+# ------------------------------------------------------------ the training state
+
+NNX_TO_LINEN = WeightMap(
+    "maxtext TrainStateNNX -> Linen checkpoint layout",
+    (
+        Entry("model/{path...}", "params/params/{path...}", note="weights under params/params"),
+        Entry("optimizer/step", "step", note="uint32 in NNX, int32 in Linen"),
+        Entry("optimizer/opt_state/{i}/count", "opt_state/{i}/count"),
+        Entry(
+            "optimizer/opt_state/{i}/mu/{path...}",
+            "opt_state/{i}/mu/params/{path...}",
+            note="Linen's moments are wrapped in the params collection",
+        ),
+        Entry(
+            "optimizer/opt_state/{i}/nu/{path...}",
+            "opt_state/{i}/nu/params/{path...}",
+            note="Linen's moments are wrapped in the params collection",
+        ),
+    ),
+)
+NNX_ONLY = ("model/{path...}/rngs/{stream}/{part}",)  # RNG state: no place in the Linen layout
+STEP_DTYPES = {"linen": "int32", "nnx": "uint32"}  # the step counter's dtype in each form
+
+
+def nnx_only(path: tuple[str, ...]) -> bool:
+    """A leaf of the NNX state that the Linen layout does not hold (declared, reported)."""
+    return any(match(pattern, path) is not None for pattern in NNX_ONLY)
+
+
+def leaf_kind(linen_path: tuple[str, ...]) -> str:
+    """A Linen-layout path's kind, for the cross-release table: params, mu, nu, count, step."""
+    if linen_path == ("step",):
+        return "step"
+    if linen_path[0] == "params":
+        return "params"
+    return linen_path[2] if len(linen_path) > 2 and linen_path[2] in ("mu", "nu") else "count"

@@ -16,9 +16,9 @@ from collections import Counter
 from typing import Any
 
 from parity.analysis import hlo
-from parity.decoder.checks import COST_TOLERANCE, _bytes
+from parity.decoder.checks import COST_TOLERANCE
 from parity.decoder.cost import DIRECTIONS, CompiledCost
-from parity.engine.result import CheckResult
+from parity.engine.result import CheckResult, human_bytes
 
 SOURCES = ("linen", "nnx")
 FIELDS = ("temp_bytes", "flops", "argument_bytes", "output_bytes", "peak_bytes", "alias_bytes")
@@ -91,8 +91,14 @@ def _no_more(tensor: str, linen: float, nnx: float, tolerance: float = 0.0) -> d
 
 
 def _shown(tensor: str, linen: Any, nnx: Any) -> dict:
-    return {"tensor": tensor, "linen": linen, "nnx": nnx, "max_rel": 0.0, "passed": True,
-            "gated": False}  # fmt: skip
+    return {
+        "tensor": tensor,
+        "linen": linen,
+        "nnx": nnx,
+        "max_rel": 0.0,
+        "passed": True,
+        "gated": False,
+    }
 
 
 def records(costs: dict[str, CompiledCost], meshes: dict[str, dict[str, int]]) -> list[dict]:
@@ -126,8 +132,9 @@ def records(costs: dict[str, CompiledCost], meshes: dict[str, dict[str, int]]) -
 def _summary(name: str, cost: CompiledCost, runs: Counter) -> str:
     across = sum(n for (where, _), n in runs.items() if where == "across")
     return (
-        f"{name} args {_bytes(cost.argument_bytes)} + temp {_bytes(cost.temp_bytes)} + out "
-        f"{_bytes(cost.output_bytes)} = peak {_bytes(cost.peak_bytes)}, {cost.flops:.3g} flops, "
+        f"{name} args {human_bytes(cost.argument_bytes)} + temp "
+        f"{human_bytes(cost.temp_bytes)} + out {human_bytes(cost.output_bytes)} = peak "
+        f"{human_bytes(cost.peak_bytes)}, {cost.flops:.3g} flops, "
         f"{sum(runs.values())} collectives executed ({across} across stages), "
         f"{cost.compile_source}"
     )

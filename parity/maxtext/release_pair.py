@@ -4,9 +4,10 @@ release, in its own): `parity configs/maxtext/NAME.yml --maxtext --linen_python=
 
 The config is a YAML of MaxText keys (MaxText's names and values, as its users type them on
 `train.py`'s command line), `key=value` overrides on top; each side builds its model from its
-own release's `base.yml` with them (`parity.remote.maxtext`). The weights travel as MaxText's
-own parameter paths (identical in 0.2.3 and 0.2.5: the weight map is the identity,
-`IDENTITY`); what differs between the releases is reported by the checks, not mapped away.
+own release's `base.yml` with them (`parity.maxtext.decoder_factory`). The weights travel as
+MaxText's own parameter paths (identical in 0.2.3 and 0.2.5; `RELEASES` declares the one
+logical name that differs); what differs between the releases is reported by the checks, not
+mapped away.
 """
 
 from __future__ import annotations
@@ -16,16 +17,15 @@ from typing import Any
 from migrate.checkpoints.weight_map import Entry, WeightMap
 from migrate.errors import BadInput
 from parity.analysis import compare
-from parity.decoder.session import vacuity_problems
-from parity.engine.pair import Pair
+from parity.engine.pair import Pair, lm_vacuity_problems
 from parity.engine.side import Run
-from parity.remote import maxtext_config
+from parity.maxtext import gate_config
+from parity.maxtext.gate_config import MaxTextConfig, batch
 from parity.remote.client import WorkerError, WorkerSet
 from parity.remote.environments import Environment
-from parity.remote.maxtext_config import MaxTextConfig, batch
-from parity.remote.side import RemoteSide
+from parity.remote.proxy import RemoteSide
 
-FACTORY = "parity.remote.maxtext:make"
+FACTORY = "parity.maxtext.decoder_factory:make"
 # MaxText 0.2.3 (Linen) -> 0.2.5 (NNX): every parameter keeps its path, shape and dtype
 # (measured on every shape of docs/maxtext.md). One declared difference: 0.2.5 names the embed
 # dimension of the attention kernels `embed_attn` (0.2.3: `embed`), a logical name of its own
@@ -85,11 +85,12 @@ class MaxTextPair(Pair):
     def sides(self) -> dict[str, dict[str, Any]]:
         """Per side, what its worker runs: MaxText's, Python's, JAX's and flax's versions, and
         its interpreter (the JSON report's `sides`)."""
-        keys = ("maxtext", "python", "jax", "flax")
-        return {
-            side: {**{k: w.info[k] for k in keys if k in w.info}, "interpreter": w.python}
-            for side, w in self.workers.items()
-        }
+        out = {}
+        for side, worker in self.workers.items():
+            versions = {**worker.info.get("packages", {}), **worker.info}
+            keys = [k for k in ("maxtext", "python", "jax", "flax") if k in versions]
+            out[side] = {**{k: versions[k] for k in keys}, "interpreter": worker.python}
+        return out
 
     def _side(self, framework: str) -> RemoteSide:
         env = self.environments[framework]
@@ -97,16 +98,16 @@ class MaxTextPair(Pair):
 
     @property
     def own_checks(self) -> dict[str, Any]:
-        """The checks this pair computes its own way (`maxtext_config.OWN_CHECKS`)."""
-        from parity.remote import maxtext_cost
+        """The checks this pair computes its own way (`gate_config.OWN_CHECKS`)."""
+        from parity.maxtext import compile_check
 
-        return {"compile": maxtext_cost.compile_check, "layers": layers, "checkpoint": checkpoint}
+        return {"compile": compile_check.compile_check, "layers": layers, "checkpoint": checkpoint}
 
     def batch(self, step: int = 0, split: str = "train") -> dict:
         return batch(self.keys, self.devices, self.seed, step, split)
 
     def vacuity(self, run: Run) -> list[str]:
-        return vacuity_problems(run, int(self.keys["vocab_size"]))
+        return lm_vacuity_problems(run, int(self.keys["vocab_size"]))
 
 
 def start_side(
@@ -119,13 +120,13 @@ def start_side(
         worker = workers.start(
             framework, env, FACTORY, options, first_batch, {"DECOUPLE_GCLOUD": "TRUE"}
         )
-    except WorkerError as e:  # `maxtext.WrongRelease`: the release builds the other decoder
+    except WorkerError as e:  # `decoder_factory.WrongRelease`: the release builds the other decoder
         if e.remote_type != "WrongRelease":
             raise
         kind = {"linen": "Linen", "nnx": "NNX"}[framework]
         raise BadInput(
             f"{e}: run the {kind} side on a release whose decoder is {kind} "
-            f"({maxtext_config.RELEASES[framework]})"
+            f"({gate_config.RELEASES[framework]})"
         ) from None
     return RemoteSide(worker, framework, RELEASES if framework == "nnx" else None)
 
@@ -154,14 +155,12 @@ def layers(pair: MaxTextPair) -> Any:
 
 def checkpoint(pair: MaxTextPair) -> Any:
     """`checkpoint` on MaxText: a checkpoint of 0.2.3's own `train.py`, restored and trained one
-    more step by both releases (`parity.remote.maxtext_checkpoint`), in a folder of its own."""
+    more step by both releases (`parity.maxtext.checkpoint_gate`), in a folder of its own."""
     import tempfile
     from pathlib import Path
 
-    from parity.remote import maxtext_checkpoint
+    from parity.maxtext import checkpoint_gate
 
     with tempfile.TemporaryDirectory(prefix="parity-maxtext-checkpoint-") as directory:
-        verdict, _ = maxtext_checkpoint.cross_release(
-            pair.config, pair.environments, Path(directory)
-        )
+        verdict, _ = checkpoint_gate.cross_release(pair.config, pair.environments, Path(directory))
     return verdict

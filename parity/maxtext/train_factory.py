@@ -1,5 +1,5 @@
 """The worker's factory for MaxText's own training loop and checkpoints
-(`parity.remote.maxtext_train:make`), run in a MaxText environment: train with the release's
+(`parity.maxtext.train_factory:make`), run in a MaxText environment: train with the release's
 `train.py` (`train.main`, its loop, its `checkpointing.maybe_save_checkpoint`), restore with its
 own `train_utils.setup_train_loop` (the path a resumed `train.py` run takes), and read the
 restored state back as plain arrays.
@@ -184,10 +184,14 @@ class MaxTextTraining:
 
                 def forward(params: Any, *inputs: Any) -> Any:
                     return model.apply(
-                        {"params": params}, inputs[0], inputs[1], decoder_segment_ids=inputs[2],
-                        enable_dropout=False, rngs={"dropout": key, "params": key},
+                        {"params": params},
+                        inputs[0],
+                        inputs[1],
+                        decoder_segment_ids=inputs[2],
+                        enable_dropout=False,
+                        rngs={"dropout": key, "params": key},
                         mutable=["intermediates"],
-                    )[0]  # fmt: skip
+                    )[0]
 
                 logits = jax.jit(forward)(state.params["params"], ids, positions, segments)
         return np.asarray(jax.device_get(logits))

@@ -4,12 +4,17 @@
 The gate for "the model before my change" (one environment or checkout) against "after"
 (another): both sides run the checkout and interpreter given for them, the harness only
 compares. The engine's checks run as for the in-process pair; those that call the twins'
-functions directly (pipeline against reference, bubbles, the drill-down, compile and efficiency
-from abstract shapes) are not available across processes and are reported as skipped.
+functions directly (`catalog.LOCAL_ONLY`: pipeline against reference, bubbles, the drill-down,
+compile and efficiency from abstract shapes) are not available across processes.
+
+Two halves: `make`, the worker's factory (`parity.decoder.remote_twins:make`, run in the
+worker's process on its own imports of `migrate/` and `parity/`: another checkout's are that
+checkout's), and `RemoteDecoderPair`, the harness's pair over the two workers.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,9 +24,34 @@ from parity.decoder.session import DecoderPair
 from parity.multiprocess import distributed
 from parity.remote.client import WorkerSet
 from parity.remote.environments import Environment
-from parity.remote.side import RemoteSide
+from parity.remote.proxy import RemoteSide
 
-FACTORY = "parity.remote.twins:make"
+FACTORY = "parity.decoder.remote_twins:make"
+
+
+def make(options: dict[str, Any], batch: Any) -> tuple[Any, Any]:
+    """One twin of a config, in the worker. Options: `config` (a model YAML), `overrides`
+    (`key=value`), `framework` (`linen` or `nnx`), and `patch` (`module:function`, called before
+    anything is built: a test's injected bug, patched at run time in the worker, never in the
+    installed code)."""
+    if options.get("patch"):
+        module_name, _, function = options["patch"].partition(":")
+        getattr(importlib.import_module(module_name), function)()
+    from migrate.common import axes, sharding
+    from migrate.config.loading import load_config
+    from parity.decoder.sides import LinenDecoderSide, NNXDecoderSide
+
+    cfg = load_config(options["config"], options.get("overrides", ()))
+    mesh = sharding.make_mesh(cfg)
+    batch_sharding = sharding.named_sharding(
+        axes.BATCH_LENGTH_EMBED[:2], mesh, cfg.logical_axis_rules
+    )
+
+    def place_batch(host_batch: dict) -> dict:
+        return {k: distributed.place(v, batch_sharding) for k, v in host_batch.items()}
+
+    cls = LinenDecoderSide if options["framework"] == "linen" else NNXDecoderSide
+    return cls(cfg, mesh, place_batch(batch)), place_batch
 
 
 class RemoteDecoderPair(DecoderPair):
