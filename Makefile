@@ -15,8 +15,15 @@ PYTEST_ARGS ?=
 # pytest-xdist workers: one per core, at most 4 (each holds its own compiled programs, ~4 GiB).
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 CONFIG ?= configs/llama2-tiny.yml
+# The default stack runs the whole suite; the oldest one its declared compatibility layer (the
+# tests marked `compat`: README, Stacks). LAYER= runs the whole suite there too.
+ifeq ($(PYVER),3.12)
+LAYER ?=
+else
+LAYER ?= -m compat
+endif
 
-.PHONY: install test parity lint clean maxtext-envs
+.PHONY: install test test-fast parity lint clean maxtext-envs
 
 # MaxText's own releases, each in its own environment, for the MaxText gate (tests/test_maxtext.py
 # and `parity --maxtext`): 0.2.3 (Linen decoder) and 0.2.5 (NNX decoder). Python 3.12 only.
@@ -48,7 +55,12 @@ install: $(VENV)/.installed
 # is reported by the MaxText tests, which then skip saying why).
 test: install
 	@if [ "$(PYVER)" = "3.12" ]; then $(MAKE) --no-print-directory maxtext-envs || echo "MaxText environments not built"; fi
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist=worksteal $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist=worksteal $(LAYER) $(PYTEST_ARGS)
+
+# The tests that start no end-to-end run (no `parity` or `migrate` command, no worker process, no
+# compile of the whole decoder): the loop while editing; tests/conftest.py fails one that does.
+test-fast: install
+	PARITY_FAST_LAYER=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist=worksteal -m "not slow" $(PYTEST_ARGS)
 
 PARITY_ARGS ?= --checks=all
 

@@ -1,6 +1,6 @@
-"""The injected bugs of tests/test_injected_bugs.py on every shipped tiny config: is each caught by its named
-check, at its place, wherever it applies? And do those checks stay quiet on the clean twins
-over seeds 0-4?
+"""The injected bugs of tests/test_injected_bugs.py on every shipped tiny config: is each caught
+by its named check, at its place, wherever it applies? And do those checks stay quiet on the
+clean twins over seeds 0-4?
 
     PYTHONPATH=. python bench/bug_matrix.py [--configs NAME ...] [--bugs NAME ...]
         [--seeds 0 1 2 3 4] [--json PATH] [--compilation_cache_dir DIR]

@@ -53,7 +53,13 @@ flags.DEFINE_list(
     f"Checks to run, comma-separated, or 'all'. (default: every check but "
     f"{', '.join(ON_REQUEST)}; layers runs by itself when forward or grads fails)",
 )
-flags.DEFINE_integer("steps", 5, "Optimizer steps of the train check.", lower_bound=0)
+flags.DEFINE_integer(
+    "steps",
+    5,
+    "Optimizer steps of the train check; with --maxtext, also the steps MaxText 0.2.3's "
+    "train.py trains before the checkpoint check's checkpoint (3 when not given).",
+    lower_bound=0,
+)
 flags.DEFINE_string("json", None, "Write the JSON report here.")
 flags.DEFINE_string("junit", None, "Write a JUnit XML report here (one testcase per check).")
 flags.DEFINE_string("plot", None, "Write a PNG of the train check's per-step errors here.")
@@ -62,7 +68,7 @@ flags.DEFINE_string(
     None,
     "Directory of golden sharding reports: compare with "
     "<DIR>/<model_name>.sharding.json (written when missing; the model name made a safe file "
-    "name).",
+    "name). The twins' only: refused with --maxtext.",
 )
 flags.DEFINE_boolean("update_golden", False, "Rewrite the golden sharding report.")
 flags.DEFINE_string(
@@ -306,11 +312,16 @@ def _run(argv: Sequence[str]) -> int:
         from parity.decoder.golden import golden_result
 
         golden = [("golden", lambda: golden_result(pair, outputs, write=main))]
-    results, costs = runner.run_checks(pair, selected, FLAGS.steps, environments is None, golden)
+    try:  # the sides' workers stop however the checks end (a lost worker, an interrupt)
+        results, costs = runner.run_checks(
+            pair, selected, FLAGS.steps, environments is None, golden
+        )
+        if environments is not None:
+            progress(workers_line(*pair.workers.call_and_transfer_seconds()))
+    finally:
+        if environments is not None:
+            pair.workers.close()
     status = max(EXIT_STATUS[r.status] for r in results)
-    if environments is not None:
-        progress(workers_line(*pair.workers.call_and_transfer_seconds()))
-        pair.workers.close()
     if main:
         report.render_table(results, cfg.model_name, costs=costs)
         if outputs is not None:
@@ -319,43 +330,69 @@ def _run(argv: Sequence[str]) -> int:
 
 
 def _run_maxtext(positional: Sequence[str]) -> int:
-    """`parity --maxtext CONFIG`: MaxText's two releases, each in its worker."""
-    from parity.maxtext import gate_config
+    """`parity --maxtext CONFIG`: MaxText's two releases, each in its worker. Everything that
+    needs no worker is refused first: the flags it does not take, the config's bounds, the
+    checks, the memory both workers need at least, the environments, the output paths."""
+    from parity.maxtext import gate_config, gate_memory
 
+    if FLAGS.golden is not None or FLAGS.update_golden:
+        return usage_error(
+            "--golden/--update_golden: golden sharding reports are the twins' (parity CONFIG), "
+            "not with --maxtext"
+        )
     config = gate_config.load(positional[0], positional[1:])
     given = FLAGS.checks is not None  # `--checks=` (empty) is refused, as without --maxtext
     selected = _select_checks(gate_config.CHECK_NAMES) if given else list(gate_config.CHECKS)
     if isinstance(selected, str):
         return usage_error(selected)
     selected, skipped = gate_config.runnable(selected)  # BadInput when none can run
+    checkpoint_steps = gate_config.CHECKPOINT_STEPS
+    if "checkpoint" in selected and FLAGS["steps"].present:
+        if FLAGS.steps < 1:
+            return usage_error(
+                f"--steps={FLAGS.steps}: the checkpoint check trains at least one step before "
+                "it checkpoints"
+            )
+        checkpoint_steps = FLAGS.steps
     if skipped:
         progress(f"not with --maxtext (the twins' checks), skipped: {', '.join(skipped)}")
+    estimate = gate_memory.estimate(config)
+    if FLAGS.memory_check:
+        gate_memory.check(config, f"--maxtext {positional[0]} (both releases' workers)")
     environments = gate_config.environments(FLAGS)
     outputs = _outputs(config.model_name)
     if FLAGS.dry_run:
-        print(f"{config.describe()}; checks: {', '.join(selected)}")
+        trained = (
+            f"; checkpoint after {checkpoint_steps} steps of 0.2.3's train.py"
+            if "checkpoint" in selected
+            else ""
+        )
+        checks = ", ".join(selected)
+        print(f"{config.describe()}; checks: {checks}{trained}; {gate_memory.describe(config)}")
         return EXIT_PASS
+    if gate_memory.large(estimate):
+        from parity.remote.client import WAIT_LINE_S
+
+        assert estimate is not None
+        progress(
+            f"{config.model_name}: {memory.gib(estimate.parameters)} of parameters per release; "
+            "each worker builds its model before the first check (minutes), a line every "
+            f"{WAIT_LINE_S:.0f} s while a call to it runs"
+        )
     ensure_simulated_devices(config.num_devices)
 
-    from parity.decoder import runner  # JAX starts here
-    from parity.engine import compiles
+    from parity.engine import compiles  # JAX starts here
     from parity.engine.result import EXIT_STATUS
     from parity.maxtext import release_pair
-    from parity.remote import client
     from parity.reports import report
 
     compiles.use_compilation_cache(FLAGS.compilation_cache_dir)  # the workers compile through it
-    with client.closed_on_failure():  # a side that fails to start stops the other one too
-        pair = release_pair.MaxTextPair(config, environments)
-    progress(f"{config.describe()}; sides: {pair.workers.describe(environments)}")
-    try:
-        results, costs = runner.run_checks(pair, selected, FLAGS.steps, drill_down=False)
-        progress(workers_line(*pair.workers.call_and_transfer_seconds()))
-    finally:
-        pair.workers.close()
+    results, costs, sides = release_pair.run_gate(
+        config, environments, selected, FLAGS.steps, checkpoint_steps
+    )
     report.render_table(results, config.model_name, costs=costs)
     status = max(EXIT_STATUS[r.status] for r in results)
-    return max(status, outputs.write(results, config.model_name, costs, {"sides": pair.sides()}))
+    return max(status, outputs.write(results, config.model_name, costs, {"sides": sides}))
 
 
 def main() -> None:

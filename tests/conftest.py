@@ -66,6 +66,51 @@ def _compiled_programs_within_the_map_limit():
     testing.free_compiled_programs_near_map_limit()
 
 
+# `make test-fast` (PARITY_FAST_LAYER=1): the tests not marked `slow` start no end-to-end run.
+# One that does (a parity or migrate command, a worker process, a whole decoder built for a
+# pair or compiled) fails there, saying to mark it `slow`, instead of slowing the loop quietly.
+FAST_LAYER = os.environ.get("PARITY_FAST_LAYER") == "1"
+
+
+def _end_to_end(what: str):
+    def refuse(*args, **kwargs):
+        pytest.fail(f"{what} in the fast layer: mark this test `slow` (pyproject.toml)")
+
+    return refuse
+
+
+@pytest.fixture(autouse=True)
+def _fast_layer_starts_no_end_to_end_run(request, monkeypatch):
+    if not FAST_LAYER or request.node.get_closest_marker("slow") is not None:
+        yield
+        return
+    import subprocess
+
+    from migrate.checkpoints import commands, train_state
+    from parity import cli as parity_cli
+    from parity.decoder import session, twins
+
+    popen = subprocess.Popen.__init__
+
+    def start(self, args, *rest, **kwargs):
+        program = Path(str(args[0] if isinstance(args, list | tuple) else args).split()[0]).name
+        if program.startswith("python") or program in ("parity", "migrate"):
+            pytest.fail(
+                f"a {program} process in the fast layer: mark this test `slow` (pyproject.toml)"
+            )
+        popen(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", start)
+    monkeypatch.setattr(parity_cli, "run", _end_to_end("a parity command"))
+    monkeypatch.setattr(session.DecoderPair, "__init__", _end_to_end("the decoder twins' pair"))
+    compiled = ("linen_initial_variables", "_linen_step", "_linen_train_fns")
+    for name in (*compiled, "_nnx_initial_state", "_nnx_step", "_nnx_train_fns"):
+        monkeypatch.setattr(twins, name, _end_to_end(f"the whole decoder compiled ({name})"))
+    for module in (train_state, commands):
+        monkeypatch.setattr(module, "init_state", _end_to_end("a twin's train state initialised"))
+    yield
+
+
 import jax  # noqa: E402  (after XLA_FLAGS: the session has exactly 8 simulated devices)
 
 assert jax.device_count() == 8, f"expected 8 simulated CPU devices, got {jax.device_count()}"

@@ -1,9 +1,12 @@
 """Worker factories for tests/test_remote.py: sides that misbehave on purpose (hang, die,
-raise, print), cheap to build (no model compiles). Imported by the worker process."""
+raise, print, sleep, get killed at a stage of the run), cheap to build (no model compiles).
+Imported by the worker process."""
 
 from __future__ import annotations
 
+import collections
 import os
+import signal
 import time
 from typing import Any
 
@@ -48,6 +51,8 @@ class FakeSide:
             os._exit(7)
         if behaviour == "raise":
             raise ValueError("the model's own error")
+        if behaviour == "sleep":
+            time.sleep(float(self.options.get("seconds", 1.0)))
         if behaviour == "print":
             print("chatter on stdout must not break the protocol")
         if behaviour == "compile":  # one program of its own, compiled in this worker
@@ -61,9 +66,43 @@ class FakeSide:
         return Run(loss=np.float32(w.sum()), outputs=w * 2, grads={"params": {"w": w}})
 
 
+# Where `kill_at` kills the worker (SIGKILL, by itself: no reply, no cleanup of its own), by
+# the requests it has received after `start`: the first, the second `run` (a check half done),
+# the `stats` the harness asks for as the run ends.
+KILLED_BY_REQUEST = {
+    "first-call": lambda op, seen: seen["any"] == 1,
+    "mid-check": lambda op, seen: op == "run" and seen["run"] == 2,
+    "exit": lambda op, seen: op == "stats",
+}
+
+
+def _kill_at(stage: str) -> None:
+    """SIGKILL this worker at `stage`: at once (`start`), or at the request that stage names."""
+    if stage == "start":
+        os.kill(os.getpid(), signal.SIGKILL)
+    from parity.remote import protocol
+
+    decode, seen = protocol.decode, collections.Counter()
+
+    def counting(line: str) -> dict:
+        message = decode(line)
+        seen["any"] += 1
+        seen[message.get("op")] += 1
+        if KILLED_BY_REQUEST[stage](message.get("op"), seen):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return message
+
+    protocol.decode = counting
+
+
 def make(options: dict[str, Any], batch: Any) -> tuple[FakeSide, Any]:
+    """A `FakeSide`; `kill_at` (an option, or a key of `overrides` as the MaxText pair passes
+    its config's keys) names the stage at which the NNX side's worker is killed."""
     if options.get("start") == "raise":
         raise RuntimeError("cannot build the side")
+    stage = options.get("kill_at") or options.get("overrides", {}).get("kill_at")
+    if stage and options.get("framework", "nnx") == "nnx":
+        _kill_at(stage)
     return FakeSide(options), lambda b: b
 
 

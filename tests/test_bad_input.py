@@ -88,6 +88,7 @@ BAD_VALUES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("overrides", "fragments"), [c[1:] for c in BAD_VALUES], ids=[c[0] for c in BAD_VALUES]
 )
@@ -125,6 +126,7 @@ BAD_FILES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("text", "fragments"), [c[1:] for c in BAD_FILES], ids=[c[0] for c in BAD_FILES]
 )
@@ -137,6 +139,34 @@ def test_bad_config_files_exit_2_in_seconds(text, fragments, tmp_path):
     assert snapshot(tmp_path) == before
 
 
+# Line 3 opens no key where the flow sequence of line 2 is still open: PyYAML reports it on
+# five lines (the context, a quote of the source, a caret under the problem).
+UNCLOSED = "seed: [1, 2\nvocab_size: 64\n"
+YAML_PLACE = "not valid YAML at line 3, column {column}: expected ',' or ']', but got ':'"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("program", ["parity", "parity --maxtext", "migrate"])
+def test_a_yaml_syntax_error_is_one_line_with_file_line_and_column(program, tmp_path):
+    """A config that is not YAML: exit 2 and stderr is one line, naming the file, the line and
+    the column (counted from 1) of the problem and what it is, as every config error."""
+    if program == "parity --maxtext":
+        path = tmp_path / "gate.yml"  # no base.yml beside it: this file alone
+        path.write_text("maxtext:\n  " + UNCLOSED.replace("\n", "\n  "))
+        column, args = 13, ["--maxtext", str(path), "--dry_run"]
+    else:
+        path = config_dir(tmp_path, "model_name: broken\n" + UNCLOSED)
+        column, args = 11, [str(path), "--dry_run"]
+        if program == "migrate":
+            args = ["init", f"--config={path}", "--framework=nnx", str(tmp_path / "out")]
+    before = snapshot(tmp_path)
+    result = run(program.split()[0], *args, timeout=30)
+    err = refused(result, errors.EXIT_USAGE, f"{path}: {YAML_PLACE.format(column=column)}")
+    assert len(err.strip().splitlines()) == 1, err
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["symlink-loop", "directory", "unreadable", "missing"])
 def test_unreadable_config_paths_exit_2(kind, tmp_path):
     path = config_dir(tmp_path, "model_name: x\n")
@@ -161,6 +191,7 @@ def test_unreadable_config_paths_exit_2(kind, tmp_path):
 # ------------------------------------------------------------------ output paths
 
 
+@pytest.mark.slow
 def test_output_paths_are_refused_before_any_check(tmp_path):
     """A directory, a parent that is a file, a symlink loop, a read-only folder, a corrupt
     golden: exit 2 at once (no check runs, nothing is created or removed)."""
@@ -198,6 +229,7 @@ def test_output_paths_are_refused_before_any_check(tmp_path):
 # ------------------------------------------------------------------ multi-process flags
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("flags", "fragments"),
     [
@@ -214,6 +246,7 @@ def test_a_lone_worker_with_bad_flags_exits_2_at_once(flags, fragments):
     assert time.monotonic() - start < 15
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("process_id", [1, 0])
 def test_an_unreachable_coordinator_exits_3_in_bounded_time(process_id):
     """Process 1: nothing listens at the address. Process 0: it runs the coordinator, but the
@@ -256,6 +289,7 @@ OS_27 = "[os_error_code='27']"
 PASSED = CheckResult("roundtrip", True, "max_rel", 0.0, 0.0, "-")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("outcome", "status", "verdict"),
     [
@@ -290,6 +324,7 @@ def test_a_check_that_raises_is_failed_only_for_a_parity_error(
     assert {"passed": "PASS", "failed": "FAIL"}.get(verdict, "ERROR") in out
 
 
+@pytest.mark.slow
 def test_a_report_that_cannot_be_written_keeps_the_verdict_and_exits_2(
     monkeypatch, tmp_path, capsys
 ):
@@ -310,6 +345,7 @@ def test_a_report_that_cannot_be_written_keeps_the_verdict_and_exits_2(
     assert junit.exists()  # the other report is still written
 
 
+@pytest.mark.slow
 def test_golden_stays_inside_its_folder_and_missing_report_folders_are_created(
     monkeypatch, tmp_path
 ):
@@ -370,6 +406,7 @@ def hooks_restored(monkeypatch):
         yield
 
 
+@pytest.mark.slow
 def test_an_internal_error_exits_4_with_one_line_and_the_traceback_only_when_verbose():
     crash = "from parity import cli; cli.run = lambda argv: 1 / 0; cli.main()"
     command = [sys.executable, "-c", crash, TINY]
@@ -434,6 +471,7 @@ def test_train_progress_prints_the_first_steps_then_throttles(capsys):
     assert 10 <= len(printed) <= 15  # every ~10 steps, not 100 lines
 
 
+@pytest.mark.slow
 def test_dry_run_validates_without_jax():
     result = run("parity", str(CONFIGS / "llama2-7b.yml"), "--checks=compile", "--dry_run")
     assert result.returncode == 0, result.stderr

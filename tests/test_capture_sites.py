@@ -15,6 +15,8 @@ from flax import nnx
 from parity.engine.randomness import one_sided
 from parity.pairs import Call, Randomness, compare_modules, format_report
 
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
+
 L, D = 3, 4
 X = jax.random.normal(jax.random.key(1), (8, D))
 NOT_COMPARED = "captured on the NNX side only: not compared"

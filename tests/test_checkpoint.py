@@ -33,7 +33,10 @@ from parity.engine import compiles
 # A damaged checkpoint fails an Orbax read while others are in flight; those end in Orbax's
 # closed event loop and Python reports them as unraisable. The CLI silences them (its
 # `_quiet_abandoned_reads`); here they are collected at once, inside the test that caused them.
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+pytestmark = [
+    pytest.mark.compat,
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
 
 RESTAGED = {"ici_pipeline_parallelism": 2, "num_pipeline_repeats": 4}
 
@@ -281,6 +284,7 @@ def test_a_failed_check_writes_nothing(linen_ckpt, tmp_path):
 # ------------------------------------------------------------------ resuming training
 
 
+@pytest.mark.slow
 def test_training_resumed_from_a_converted_checkpoint_takes_the_same_step(linen_ckpt, nnx_ckpt):
     cfg, mesh = setup()
     batch = synthetic_batch(cfg, mesh, step=1)

@@ -61,6 +61,7 @@ def run_in_process(*args: str) -> int:
 FILE = "configs/base.yml"  # a file where a directory is wanted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -80,6 +81,7 @@ def test_usage_and_config_errors_exit_2_with_a_message(args, message, capsys):
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_bad_flag_exits_2_without_traceback():
     result = run_parity("configs/llama2-tiny.yml", "--steps=-1", timeout=120)
     assert result.returncode == 2
@@ -134,8 +136,15 @@ GATE_PROGRAMS = {
 }  # fmt: skip
 
 
+def matrix_params() -> list:
+    """The config matrix's configs; the default config's run is in the oldest stack's
+    compatibility layer (its one `--checks=all` run)."""
+    compat = lambda name: pytest.mark.compat if name == DEFAULT_CONFIG else ()
+    return [pytest.param(name, marks=compat(name)) for name in SHIPPED_TINY_CONFIGS]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", SHIPPED_TINY_CONFIGS)
+@pytest.mark.parametrize("name", matrix_params())
 def test_every_check_passes_on_every_shipped_tiny_config(name, tmp_path, capsys):
     """The config matrix CI gates: every check (`--checks=all`) and every report, on every
     shipped tiny config; on its report, each side's pipeline against its reference leaf by leaf

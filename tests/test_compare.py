@@ -16,6 +16,8 @@ from parity.engine.pair import lm_vacuity_problems
 from parity.engine.result import verdict
 from parity.engine.side import Run
 
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
+
 
 def test_identical_leaves_have_zero_error():
     a = np.linspace(-1, 1, 10, dtype=np.float32)

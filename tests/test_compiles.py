@@ -15,6 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from parity.engine import compiles
 
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
+
 MESH = Mesh(np.array(jax.devices()).reshape(4, 2), ("stage", "fsdp"))
 
 

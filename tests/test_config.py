@@ -11,6 +11,8 @@ from conftest import CONFIG_DIR, SHIPPED_TINY_CONFIGS, tiny
 from migrate.config.contract import ConfigError
 from migrate.config.loading import load_config, parse_overrides
 
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
+
 
 @pytest.mark.parametrize("name", [*SHIPPED_TINY_CONFIGS, "llama2-7b", "mixtral-8x7b", "base"])
 def test_every_shipped_config_loads(name):

@@ -18,6 +18,8 @@ from parity.decoder import twins
 from parity.decoder.session import DecoderPair
 from parity.engine import numeric
 
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
+
 
 @functools.cache
 def session(name: str) -> DecoderPair:
@@ -42,6 +44,7 @@ def assert_same_tree(a, b):
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", TINY_CONFIGS)
 def test_roundtrip_check_is_bit_exact_for_every_config(name):
     result = numeric.roundtrip(session(name))
@@ -57,6 +60,7 @@ def test_roundtrip_check_is_bit_exact_for_every_config(name):
     }
 
 
+@pytest.mark.slow
 def test_framework_conversion_moves_arrays_without_copies():
     s = session("llama2-tiny")
     linen_vars = s.weights("linen", "linen")
@@ -69,6 +73,7 @@ def test_framework_conversion_moves_arrays_without_copies():
     assert {id(x) for x in jax.tree.leaves(nnx.to_pure_dict(state))} == linen_arrays
 
 
+@pytest.mark.slow
 def test_nnx_to_linen_restores_boxes_with_out_sharding_names():
     s = session("llama2-tiny-scan")
     back = convert.nnx_to_linen(s.nnx_params)
@@ -84,6 +89,7 @@ def test_nnx_to_linen_restores_boxes_with_out_sharding_names():
     )
 
 
+@pytest.mark.slow
 def test_inputs_are_unchanged_by_every_conversion():
     s = session("llama2-tiny")
     linen_vars = s.linen_variables
@@ -127,6 +133,7 @@ def test_inputs_are_unchanged_by_every_conversion():
     )
 
 
+@pytest.mark.slow
 def test_nnx_layout_round_trip_is_bit_exact():
     s = session("llama2-tiny-scan")
     reference = convert.nnx_pipeline_to_reference(s.nnx_params, s.cfg)
@@ -137,6 +144,7 @@ def test_nnx_layout_round_trip_is_bit_exact():
     assert_same_tree(nnx.to_pure_dict(back), jax.device_get(nnx.to_pure_dict(s.nnx_params)))
 
 
+@pytest.mark.slow
 def test_subset_layout_round_trip_puts_the_remainder_after_the_pipelined_rows():
     """llama2-tiny-subset: reference rows 0..7 are the pipeline's stages (placement formula),
     rows 8..9 the `layers_after_pipeline` stack, in order; and back, bit-exact."""
@@ -180,6 +188,7 @@ def _problems(variables, abstract) -> list[str]:
     return raised.value.problems
 
 
+@pytest.mark.slow
 def test_missing_leaves_are_all_listed():
     s, abstract = _abstract()
     params = _params(s.linen_variables)
@@ -193,6 +202,7 @@ def test_missing_leaves_are_all_listed():
     ]
 
 
+@pytest.mark.slow
 def test_extra_leaves_are_all_listed():
     s, abstract = _abstract()
     params = _params(s.linen_variables)
@@ -205,6 +215,7 @@ def test_extra_leaves_are_all_listed():
     ]
 
 
+@pytest.mark.slow
 def test_shape_dtype_and_name_mismatches_are_all_listed_with_both_sides():
     s, abstract = _abstract()
     params = _params(s.linen_variables)
@@ -223,6 +234,7 @@ def test_shape_dtype_and_name_mismatches_are_all_listed_with_both_sides():
     ]
 
 
+@pytest.mark.slow
 def test_every_kind_of_mismatch_in_one_error():
     s, abstract = _abstract()
     params = _params(s.linen_variables)
@@ -239,6 +251,7 @@ def test_every_kind_of_mismatch_in_one_error():
     ]
 
 
+@pytest.mark.slow
 def test_nnx_to_linen_checks_against_a_target():
     s = session("llama2-tiny")
     target = jax.eval_shape(lambda: s.linen_variables)
@@ -254,6 +267,7 @@ def test_nnx_to_linen_checks_against_a_target():
         convert.nnx_to_linen(s.nnx_params, target={"params": params})
 
 
+@pytest.mark.slow
 def test_unknown_collections_and_nnx_only_state():
     s, abstract = _abstract()
     with pytest.raises(convert.ConversionError, match="no 'params' collection"):

@@ -22,12 +22,15 @@ from parity.decoder import checks as decoder_checks
 from parity.decoder import cost, efficiency
 from parity.decoder.session import DecoderPair
 
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
+
 
 @functools.cache
 def session(name: str, *overrides: str) -> DecoderPair:
     return DecoderPair(tiny(name, *overrides))
 
 
+@pytest.mark.slow
 def test_compile_check_nnx_costs_what_linen_costs():
     result = decoder_checks.compile_cost(session("llama2-tiny"))
     assert result.passed, result.details
@@ -73,6 +76,7 @@ def test_compile_check_fails_on_a_reshard_the_partitioner_replicates(monkeypatch
     assert remat["bytes"] > 0 and "'fsdp'" in remat["from"] and remat["to"]
 
 
+@pytest.mark.slow
 def test_compile_check_reports_aliased_and_peak_bytes_of_the_donated_train_step():
     """The train step donates parameters and optimizer state: per device the outputs reuse
     the arguments' buffers, and the peak is arguments + temp + outputs - aliased, reported
@@ -99,6 +103,7 @@ def test_compile_check_reports_aliased_and_peak_bytes_of_the_donated_train_step(
     assert all(r["passed"] and r["linen"] == r["nnx"] for r in outside.values())
 
 
+@pytest.mark.slow
 def test_collectives_outside_the_loops_and_in_their_bodies_partition_the_program():
     """Every collective of the compiled step is either in a pipeline loop's body or outside
     the loops (`hlo.outside_loops`, where the reshards into and out of the pipeline are
@@ -111,6 +116,7 @@ def test_collectives_outside_the_loops_and_in_their_bodies_partition_the_program
     assert {direction for direction, _ in compiled.outside_loops} == {"forward", "backward"}
 
 
+@pytest.mark.slow
 def test_compile_check_arguments_are_sharded_not_replicated():
     """Abstract params and optimizer moments carry their shardings: per-device argument bytes
     are the real arrays' (8-way over stage x fsdp), not a replicated copy."""
@@ -121,6 +127,7 @@ def test_compile_check_arguments_are_sharded_not_replicated():
     assert argument_bytes["linen"] == compiled.memory_analysis().argument_size_in_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama2-tiny", "llama2-tiny-delay", "llama2-tiny-tp"])
 def test_pipeline_matmul_work_matches_theory_exactly(name):
     s = session(name)

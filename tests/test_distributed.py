@@ -47,6 +47,7 @@ def assert_gone(pids: list[int]) -> None:
         assert not Path(f"/proc/{pid}").exists(), f"worker pid {pid} is still there"
 
 
+@pytest.mark.slow
 def test_worker_flags_need_a_divisible_mesh_and_a_coordinator(capsys):
     assert run_in_process(CONFIG, "--num_processes=3") == cli.EXIT_USAGE
     assert "does not divide the mesh's 8 devices" in capsys.readouterr().err
@@ -91,6 +92,7 @@ def test_worker_env_sets_devices_and_import_path(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.compat  # JAX's distributed runtime and its CPU collectives, on each stack's jax
 def test_two_processes_give_the_verdicts_and_errors_of_one(tmp_path):
     """2 processes x 4 devices against 1 process x 8: the same program on the same global mesh,
     so the verdicts, worst errors and every Linen-against-NNX record are bit-identical.

@@ -26,6 +26,8 @@ from flax import nnx
 
 from parity.pairs import Call, Randomness, compare_modules
 
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
+
 B, T, D, H = 2, 4, 8, 2
 X = jax.random.normal(jax.random.key(1), (B * T, D))
 SEQ = X.reshape(B, T, D)

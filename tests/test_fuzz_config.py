@@ -139,6 +139,7 @@ def test_the_yaml_loader_loads_or_refuses_in_bounded_time(text):
         assert len(str(e)) < 5_000
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=60)
 @given(OVERRIDES)
 def test_the_parity_usage_path_exits_0_or_2_without_a_traceback(capsys, overrides):

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
+
 REPO = Path(__file__).resolve().parent.parent
 GUIDE = REPO / "docs" / "migration-guide.md"
 FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```[ \t]*$", re.M | re.S)

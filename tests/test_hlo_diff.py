@@ -5,11 +5,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from parity.analysis import compare, hlo_diff
 from parity.decoder import drilldown
 from parity.engine.result import verdict
+
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
 
 
 def lowered_text(fn, *args) -> str:

@@ -8,6 +8,8 @@ from scipy import stats as scipy_stats
 
 from parity.analysis import initstats
 
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
+
 N = (8, 64, 32)  # 16,384 elements: the size of the tiny configs' kernels
 
 

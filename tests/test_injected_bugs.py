@@ -24,13 +24,11 @@ from parity import cli
 from parity.decoder import twins
 
 pytestmark = pytest.mark.slow
-# The bugs of the feature configs (MoE, a pipelined subset, tying, ag-per-repeat, multislice,
-# the llama2-tiny kinds elsewhere) on the default stack only: whether the gate names their place is
-# its own code, not the JAX version's. The secondary stack runs every bug on the llama2-tiny
-# family (where the program-level checks that read each JAX's HLO are) and every config's clean
-# run (the config matrix: false alarms are what another JAX version changes). CI time.
+# The oldest stack runs one bug per check kind (`COMPAT_BUGS`, marked compat); every other bug
+# runs on the default stack only: whether the gate names its place is the gate's own code, not
+# the JAX version's.
 default_stack_only = pytest.mark.skipif(
-    sys.version_info < (3, 12), reason="feature-config bugs run on the default stack (3.12)"
+    sys.version_info < (3, 12), reason="outside the compatibility layer: the default stack's"
 )
 TINY = str(CONFIG_DIR / "llama2-tiny.yml")
 TINY_BF16 = str(CONFIG_DIR / "llama2-tiny-bf16.yml")
@@ -441,19 +439,26 @@ BUGS = [
 ]
 
 
-# On the oldest stack: the bugs caught by a check that reads the compiled program (its HLO,
-# shardings and collectives are that JAX's), and one per drill-down kind (a layer, a pipeline
-# iteration: the capture of intermediates is that Flax's). The others are caught by comparing
-# values, whatever the JAX version computed them with: they run on the default stack (CI time).
-PROGRAM_CHECKS = {"sharding", "program", "compile"}
-DRILL_DOWN_KINDS = {"transposed_query_kernel", "rotated_the_wrong_way"}
+# The oldest stack's compatibility layer: one bug per kind of check (each check reads what that
+# JAX computed, compiled and sharded, and the drill-down what that Flax captured), on
+# llama2-tiny; the rest run on the default stack.
+COMPAT_BUGS = {
+    "init_scale_wrong",  # init
+    "transposed_query_kernel",  # forward, grads, layers (a layer)
+    "rotated_the_wrong_way",  # forward, pipeline, layers (a pipeline iteration)
+    "wrong_logical_name",  # sharding
+    "mlp_constraint_dropped",  # program
+    "bubbles_unmasked",  # bubbles
+    "optimizer_skips_one_parameter",  # train
+    "train_step_not_donated",  # compile
+}
 
 
 def _bug_param(bug: tuple) -> pytest.param:
-    inject, config, _, expected, *_ = bug
-    both_stacks = bool(PROGRAM_CHECKS & set(expected)) or inject.__name__ in DRILL_DOWN_KINDS
+    inject, config, *_ = bug
+    compat = inject.__name__ in COMPAT_BUGS and config == TINY
     bug_id = f"{inject.__name__}-{config.split('/')[-1][:-4]}"
-    return pytest.param(bug, id=bug_id, marks=() if both_stacks else default_stack_only)
+    return pytest.param(bug, id=bug_id, marks=pytest.mark.compat if compat else default_stack_only)
 
 
 # Checks a bug may also fail, by rounding only: unmasked bubbles add exact zeros, but the NNX
@@ -536,7 +541,7 @@ CROSS_CONFIG_BUGS = [
 @pytest.mark.parametrize(
     "bug", CROSS_CONFIG_BUGS, ids=[f"{b[0].__name__}-{b[1]}" for b in CROSS_CONFIG_BUGS]
 )
-def test_issue_12_kinds_are_caught_on_other_configs(bug, monkeypatch, fresh_nnx, tmp_path):
+def test_the_llama2_tiny_kinds_are_caught_on_other_configs(bug, monkeypatch, fresh_nnx, tmp_path):
     inject, name, check, place = bug
     inject(monkeypatch)
     status, report = run_cli(tmp_path, str(CONFIG_DIR / f"{name}.yml"), f"--checks={check}")

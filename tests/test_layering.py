@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
+
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("migrate", "parity")
 

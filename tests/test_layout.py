@@ -8,6 +8,8 @@ from conftest import tiny
 
 from migrate.common import axes, layout, placement, schedule
 
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
+
 
 def _reference(cfg, feature=3):
     """A reference stack whose row n holds the value n everywhere."""

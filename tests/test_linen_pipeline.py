@@ -36,6 +36,7 @@ def assert_runs_match(actual: Run, expected: Run, tol: compare.Tolerance) -> lis
     return records
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("microbatches", [4, 8, 16])  # M = S, 2S, 4S
 def test_microbatch_count_changes_nothing(microbatches):
     overrides = ("per_device_batch_size=4", f"num_pipeline_microbatches={microbatches}")
@@ -47,6 +48,7 @@ def test_microbatch_count_changes_nothing(microbatches):
     assert_runs_match(pipelined, baseline, compare.F32_RESHAPED)
 
 
+@pytest.mark.slow
 def test_nan_hook_is_live_when_bubbles_are_not_masked(monkeypatch):
     """Proves the NaN-bubble test (the `bubbles` check, run on every shipped config by
     tests/test_cli.py) can fail: with every slot marked valid, NaN gets through."""
@@ -66,6 +68,7 @@ def test_nan_hook_is_live_when_bubbles_are_not_masked(monkeypatch):
     assert any(np.isnan(np.asarray(g)).any() for g in jax.tree.leaves(grads))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides",
     [

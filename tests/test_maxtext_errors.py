@@ -33,12 +33,14 @@ def maxtext(*args: str, timeout: float = 60):
 # ------------------------------------------------------------------ refused before any worker
 
 
+@pytest.mark.slow
 def test_empty_checks_refused_as_without_maxtext():
     """`--checks=` selects nothing: refused, not the default set run silently."""
     refused(maxtext("--checks=", "--dry_run"), 2, "--checks: no checks selected")
     refused(maxtext("--checks=,", "--dry_run"), 2, "--checks: no checks selected")
 
 
+@pytest.mark.slow
 def test_only_twin_checks_refused_before_anything_starts(tmp_path):
     """pipeline and bubbles call the project's twins: alone, nothing is left to run; refused,
     named, nothing written, no worker started (never exit 4)."""
@@ -61,6 +63,7 @@ def test_runnable_splits_the_selection():
     )
 
 
+@pytest.mark.slow
 @needs_envs
 def test_mixed_selection_runs_the_rest():
     result = maxtext("--checks=pipeline,forward", "--dry_run")
@@ -70,6 +73,7 @@ def test_mixed_selection_runs_the_rest():
     assert "skipped: pipeline" in err
 
 
+@pytest.mark.slow
 def test_interpreter_without_maxtext_refused_before_workers():
     """The project's own interpreter has no MaxText: exit 2, one line, before any worker."""
     if importlib.util.find_spec("maxtext") is not None:
@@ -224,6 +228,7 @@ def test_worker_classifies_an_error_by_where_it_was_raised():
 # ------------------------------------------------------------------ failed starts clean up
 
 
+@pytest.mark.slow
 def test_failed_start_removes_the_workers_directory(tmp_path, monkeypatch):
     """A worker whose side fails to build is stopped and its temporary directory removed."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -236,15 +241,19 @@ def test_failed_start_removes_the_workers_directory(tmp_path, monkeypatch):
     assert "linen" not in workers
 
 
+@pytest.mark.slow
 def test_closed_on_failure_stops_the_workers_started_inside(tmp_path, monkeypatch):
-    """The other side of a pair that failed to start is closed too."""
+    """The other side of a pair that failed to start is closed too; a worker the set held
+    before the block (another pair's, `MaxTextPair(started=...)`) is left to its owner."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    outside = client.Worker(sys.executable, "outside")
-    with pytest.raises(RuntimeError), client.closed_on_failure():
-        started = client.Worker(sys.executable, "linen")
+    workers = client.WorkerSet()
+    workers["outside"] = outside = client.Worker(sys.executable, "outside")
+    with pytest.raises(RuntimeError), workers.closed_on_failure():
+        workers["linen"] = started = client.Worker(sys.executable, "linen")
         assert started.directory.exists()
         raise RuntimeError("the nnx side failed")
     assert started.directory is None and started.process.poll() is not None
     assert not list(tmp_path.glob("parity-worker-linen-*"))
-    assert outside.directory.exists()  # started before the block: left to its owner
-    outside.close()
+    assert list(workers) == ["outside"] and outside.directory.exists()
+    workers.close()
+    assert not list(tmp_path.glob("parity-worker-*"))

@@ -15,6 +15,8 @@ from migrate.config.loading import load_config
 from migrate.runtime import memory
 from parity.decoder import twins
 
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
+
 
 def traced_parameters(cfg) -> int:
     variables = twins.linen_abstract_variables(cfg, sharding.make_mesh(cfg))

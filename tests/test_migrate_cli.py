@@ -22,7 +22,10 @@ from migrate.runtime import cli_support
 # A damaged checkpoint fails an Orbax read while others are in flight; those end in Orbax's
 # closed event loop and Python reports them as unraisable. The CLI silences them (its
 # `_quiet_abandoned_reads`); here they are collected at once, inside the test that caused them.
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+pytestmark = [
+    pytest.mark.compat,
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = f"--config={CONFIG_DIR / 'llama2-tiny.yml'}"
@@ -45,6 +48,7 @@ def nnx_ckpt(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_init_then_convert_with_verification(nnx_ckpt, tmp_path, capsys):
     capsys.readouterr()
     dst = tmp_path / "linen"
@@ -191,6 +195,7 @@ def test_devices_follow_the_source_layout_and_the_overrides(nnx_ckpt, tmp_path):
         devices_needed({}, str(tmp_path / "missing"))
 
 
+@pytest.mark.slow
 def test_console_script_flag_errors_exit_2_before_jax(tmp_path):
     """The module as a program: a bad flag is one line on stderr, exit 2, no JAX start-up."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -209,6 +214,7 @@ def test_console_script_flag_errors_exit_2_before_jax(tmp_path):
     assert helped.returncode == 0 and "migrate convert --config=CONFIG" in helped.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("program", ["parity", "migrate"])
 def test_help_is_the_front_door(program):
     """`parity --help` and `migrate --help`, as installed console scripts: the usage, one line

@@ -24,7 +24,10 @@ from migrate.checkpoints import destination
 from migrate.checkpoints.meta import read_meta
 from migrate.runtime import cli_support
 
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+pytestmark = [
+    pytest.mark.compat,
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
 CONFIG = f"--config={TINY}"
 CONVERT = ("convert", CONFIG, "--from=nnx", "--to=linen")
 
@@ -47,6 +50,7 @@ def place(tmp_path) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_force_never_replaces_what_the_tool_did_not_write(src, place, tmp_path):
     """A directory of other files, the working directory, a folder above it, a folder above
     the source, a file, a symbolic link: refused even with --force."""
@@ -79,6 +83,7 @@ def test_force_replaces_a_checkpoint_it_wrote(src, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["ours"]  # no staging, no old copy left
 
 
+@pytest.mark.slow
 def test_a_destination_that_cannot_be_written_is_refused_before_any_work(src, place):
     before = snapshot(place)
     refused(
@@ -116,6 +121,7 @@ def _edit(meta: dict, edit: str) -> None:
         meta["weight_dtype"] = "float64"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("edit", "fragment"),
     [
@@ -145,6 +151,7 @@ def test_an_edited_meta_is_refused_before_jax(edit, fragment, src, tmp_path):
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_a_long_destination_name_gets_a_short_staging_name(tmp_path):
     """A 245-character destination name is legal: staging names never grow with it."""
     name = "c" * 245
@@ -194,6 +201,7 @@ cli_support.exit_now(cli_support.guarded("migrate", body, lambda: VERBOSE), prog
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("verbose", [False, True])
 def test_what_abandoned_tasks_log_at_exit_follows_the_error_line_only_when_verbose(verbose):
     """CI saw a full-disk `migrate convert` print its one line and then 68 KB: Orbax's failed
@@ -215,6 +223,7 @@ def test_what_abandoned_tasks_log_at_exit_follows_the_error_line_only_when_verbo
         assert err.splitlines() == ["migrate: error: File too large"], err[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_during_conversion_removes_the_staging_directory(sig, src, tmp_path):
     out = tmp_path / "out"
@@ -250,6 +259,7 @@ cli.main()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_after_success_exits_quietly_with_the_checkpoint_complete(sig, tmp_path):
     """Ctrl-C during interpreter exit, after the checkpoint was written: the decided status
@@ -275,6 +285,7 @@ def test_a_signal_after_success_exits_quietly_with_the_checkpoint_complete(sig, 
     assert [p.name for p in tmp_path.iterdir()] == ["dst"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("force", [False, True])
 def test_an_empty_directory_is_a_destination(force, src, tmp_path):
     """`mkdir out && migrate convert SRC out` writes there (nothing to lose), with or without
@@ -324,6 +335,7 @@ def test_a_signal_swallowed_where_it_fired_stops_the_run_at_the_next_safe_point(
     assert "Interrupted" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_stale_staging_directories_are_removed_by_the_next_run(src, tmp_path):
     """A run killed by SIGKILL leaves its staging directory; the next run for the same
     destination removes it (moving back an old destination it had moved aside). Staging
@@ -368,6 +380,7 @@ def test_stale_staging_directories_are_removed_by_the_next_run(src, tmp_path):
     assert not again.exists() and read_meta(dst)["framework"] == "linen"
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:os.fork():RuntimeWarning")  # the child execs at once
 def test_a_full_disk_exits_2_and_leaves_nothing(src, tmp_path):
     """Writes fail with EFBIG past a file-size limit (the way they fail with ENOSPC on a full

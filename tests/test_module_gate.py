@@ -19,6 +19,8 @@ from parity.analysis import compare
 from parity.engine.result import CheckResult
 from parity.pairs import Call, PairArgumentError, Randomness, compare_modules, format_report
 
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
+
 D, HIDDEN = 6, 16
 X = jax.random.normal(jax.random.key(3), (32, D))
 RATE = 0.25

@@ -10,9 +10,12 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 
 from parity.pairs import Call, Randomness, compare_modules, exit_status
+
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
 
 X = jax.random.normal(jax.random.key(1), (2, 4))
 

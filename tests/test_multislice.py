@@ -146,6 +146,7 @@ def test_dcn_data_variant_passes_pipeline_and_compile(tmp_path):
     assert "loop body forward (nnx): permute hops across slices" in tensors
 
 
+@pytest.mark.slow
 def test_processes_that_split_slices_unevenly_are_refused(capsys):
     """A slice is whole hosts: 6 slices of 2 devices over 4 processes of 3 is refused (exit 2)
     before anything starts; 2 slices of 4 over 4 processes of 2 is fine."""

@@ -18,6 +18,8 @@ from parity.decoder import twins
 from parity.decoder.session import DecoderPair
 from parity.engine.numeric import run_records
 
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
+
 MODES = [(True, True), (True, False), (False, True), (False, False)]
 
 
@@ -30,6 +32,7 @@ def session(name: str) -> DecoderPair:
 # nothing in either twin, are the config matrix's (tests/test_cli.py, `--checks=all`).
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("graph_mode,graph_updates", MODES)
 def test_every_nnx_mode_builds_runs_and_matches_linen(graph_mode, graph_updates):
     s = session("llama2-tiny")
@@ -59,6 +62,7 @@ def test_nnx_logical_names_equal_the_linen_boxes(name, use_pipeline):
         assert len(convert.nnx_names(variable)) == variable.get_value().ndim
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama2-tiny", "llama2-tiny-scan"])
 def test_nnx_init_places_arrays_like_linen(name):
     """Guards the eager-sharding trap: per-layer sharding inside nnx.vmap leaves the stage

@@ -14,6 +14,8 @@ from flax import nnx
 from parity.engine import renames as renames_lib
 from parity.pairs import PairArgumentError, compare_modules, format_report
 
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
+
 X = jnp.ones((4, 3))
 FAST = ["roundtrip", "forward"]
 NESTED = {("block",): ("layers",), ("block", "attn"): ("layers", "attention")}

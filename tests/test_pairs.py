@@ -24,6 +24,8 @@ from parity.engine.result import CheckResult
 from parity.pairs import compare_modules, format_report
 from parity.testing import assert_parity
 
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
+
 REPO = Path(__file__).resolve().parent.parent
 MODES = [(True, True), (True, False), (False, True), (False, False)]
 
@@ -318,6 +320,7 @@ def test_remat_regions_are_counted_inside_other_primitives():
     assert pairs.count_primitives(jaxpr.jaxpr, pairs.PROGRAM_PRIMITIVES["remat regions"]) == 1
 
 
+@pytest.mark.slow
 def test_importing_parity_does_not_import_jax():
     """parity/cli.py sets XLA_FLAGS before JAX loads: the package must stay light."""
     code = "import sys, parity, parity.cli; assert 'jax' not in sys.modules, 'jax imported'"

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
+
 REPO = Path(__file__).resolve().parent.parent
 TOP = ("migrate", "parity", "tests", "bench", "docs", "configs", "constraints", ".ci")
 SUFFIXES = {".py", ".md", ".yml", ".yaml", ".toml", ".sh", ".txt", ".cfg"}

@@ -6,7 +6,9 @@ bug in the NNX worker caught where the in-process gate catches it."""
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,6 +35,7 @@ def fake_worker(timeout_s: float = 60, **options) -> Worker:
     return worker
 
 
+@pytest.mark.compat
 def test_a_tree_travels_bit_exact_with_its_names_and_placements(tmp_path):
     """Every dtype (bfloat16 as its bits), shapes, logical names and placements by path."""
     leaves = {
@@ -61,6 +64,20 @@ def test_a_tree_travels_bit_exact_with_its_names_and_placements(tmp_path):
     }
 
 
+@pytest.mark.compat
+def test_a_workers_program_text_is_hlo_on_this_jax():
+    """The lowered program as the worker sends it (`worker.program_text`): HLO text on this
+    stack's jax, whichever `as_text` signature it has."""
+    import jax
+
+    from parity.remote import worker
+
+    text = worker.program_text(jax.jit(lambda x: x * 2).lower(np.ones(3, np.float32)))
+    assert "HloModule" in text and "multiply" in text
+
+
+@pytest.mark.slow
+@pytest.mark.compat
 def test_a_worker_serves_its_side_and_stdout_chatter_does_not_break_it():
     worker = fake_worker(run="print")
     try:
@@ -69,11 +86,16 @@ def test_a_worker_serves_its_side_and_stdout_chatter_does_not_break_it():
         assert side.to_common(weights)["params"]["w"].tolist() == [[0, 1, 2], [3, 4, 5]]
         result = side.run(weights)
         assert float(result.loss) == 15.0 and result.outputs.tolist() == [[0, 2, 4], [6, 8, 10]]
-        assert "chatter on stdout" in "\n".join(worker.stderr_tail)
+        deadline = time.monotonic() + 10  # stderr is read by a thread of its own
+        while "chatter on stdout" not in "\n".join(worker.stderr_tail):
+            assert time.monotonic() < deadline, list(worker.stderr_tail)
+            time.sleep(0.05)
     finally:
         worker.close()
 
 
+@pytest.mark.slow
+@pytest.mark.compat
 @pytest.mark.parametrize(("framework", "status"), [("nnx", "failed"), ("linen", "bad_input")])
 def test_an_error_of_the_model_code_keeps_its_meaning(framework, status):
     """Raised by the NNX side's model: a parity failure; by the Linen side's: bad input; the
@@ -109,6 +131,7 @@ def cached_worker(workers, cache: Path, **options) -> Worker:
             jax.config.update(name, value)
 
 
+@pytest.mark.slow
 def test_a_worker_compiles_through_the_runs_cache_and_its_compiles_count_in_the_run(tmp_path):
     """The run's persistent cache (`--compilation_cache_dir`, here a new one) is the worker's:
     its program is written there (a second run reads it); and the compile, made in the worker,
@@ -133,6 +156,7 @@ def test_a_worker_compiles_through_the_runs_cache_and_its_compiles_count_in_the_
     assert [p for p in cache.iterdir() if p.name.startswith("jit__lambda")], list(cache.iterdir())
 
 
+@pytest.mark.slow
 def test_a_workers_compile_time_says_whether_it_compiled_or_read_the_cache(tmp_path):
     """What the compile check says of a worker's program (`--maxtext`): "compiled in" where
     the worker compiled it; in a second run, which reads it from the persistent cache, that it
@@ -152,6 +176,7 @@ def test_a_workers_compile_time_says_whether_it_compiled_or_read_the_cache(tmp_p
     assert sources[1].endswith(", not compiled")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("behaviour", ["die", "hang"])
 def test_a_worker_that_dies_or_hangs_is_lost_in_bounded_time(behaviour):
     worker = fake_worker(timeout_s=3, run=behaviour)
@@ -167,6 +192,7 @@ def test_a_worker_that_dies_or_hangs_is_lost_in_bounded_time(behaviour):
     assert worker.process.poll() is not None  # killed, not left behind
 
 
+@pytest.mark.slow
 def test_the_callers_working_directory_never_hides_the_sides_own_code(tmp_path, monkeypatch):
     """A worker imports what its side's path names (`--nnx_path`), not a same-named module in
     the directory `parity` was started from (a checkout's root, as users run it): `python -m`
@@ -181,6 +207,90 @@ def test_the_callers_working_directory_never_hides_the_sides_own_code(tmp_path, 
         worker.close()
 
 
+@pytest.mark.slow
+def test_a_relative_interpreter_path_is_read_from_the_callers_directory(tmp_path, monkeypatch):
+    """`--nnx_python=.venv/bin/python` names an interpreter from where `parity` runs; the worker
+    starts in a directory of its own, where that path names nothing: it is made absolute
+    first, its links kept (a venv's interpreter finds its venv by its own path)."""
+    from parity.remote.client import check_interpreter
+
+    monkeypatch.chdir(tmp_path)
+    relative = os.path.relpath(sys.executable, tmp_path)
+    assert check_interpreter(relative) == os.path.abspath(sys.executable)  # a link stays one
+    worker = Worker(relative, "nnx", [TESTS], timeout_s=60)
+    try:
+        worker.start(FAKES, {"run": "ok"}, {"x": np.zeros(2, np.int32)})
+        side = RemoteSide(worker, "nnx")
+        assert float(side.run(side.own_weights()).loss) == 15.0
+    finally:
+        worker.close()
+
+
+@pytest.mark.slow
+def test_a_long_call_is_said_while_it_runs():
+    """A call that runs longer than the worker's `wait_line_s` is told to `on_wait` as it
+    runs (the MaxText gate prints it: building a large model, a train.py run), each time with
+    the worker, the call and the seconds so far."""
+    heard = []
+    worker = Worker(
+        sys.executable, "nnx", [TESTS], timeout_s=60,
+        on_wait=lambda *told: heard.append(told), wait_line_s=0.2,
+    )  # fmt: skip
+    try:
+        worker.start(FAKES, {"run": "sleep", "seconds": 1.0}, {"x": np.zeros(2, np.int32)})
+        side = RemoteSide(worker, "nnx")
+        assert float(side.run(side.own_weights()).loss) == 15.0
+    finally:
+        worker.close()
+    during_run = [seconds for name, doing, seconds in heard if (name, doing) == ("nnx", "run")]
+    assert len(during_run) >= 3 and during_run == sorted(during_run), heard
+    assert during_run[-1] >= 0.6
+
+
+def processes_naming(directory: Path) -> list[str]:
+    """The command lines of the running processes that name `directory` (a worker names its
+    own temporary directory on its command line)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        cmdline = process.info["cmdline"] or []
+        if process.info["status"] != psutil.STATUS_ZOMBIE and any(
+            str(directory) in part for part in cmdline
+        ):
+            found.append(" ".join(cmdline))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["start", "first-call", "mid-check", "exit"])
+def test_a_worker_killed_at_any_stage_leaves_no_process_and_no_directory(
+    stage, tmp_path, monkeypatch
+):
+    """`parity --maxtext`'s run (`release_pair.run_gate`: its pair, its checks, its workers'
+    end), here on fake sides, with the NNX worker killed (SIGKILL) as it starts, at its first
+    call, halfway through `forward`, and as the run ends: a worker lost before the checks are
+    done is `WorkerLost` (exit 3) naming it; one lost at the end leaves the results standing.
+    Either way both workers are gone, and so are their temporary directories."""
+    from parity.maxtext import gate_config, release_pair
+    from parity.remote.environments import Environment
+
+    monkeypatch.setattr(release_pair, "FACTORY", FAKES)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    config = gate_config.load(REPO / "configs" / "maxtext" / "pp4.yml", [f"kill_at={stage}"])
+    where = Environment(sys.executable, extra_paths=(TESTS,), timeout_s=60)
+    environments = {"linen": where, "nnx": where}
+    if stage == "exit":
+        results, _, sides = release_pair.run_gate(config, environments, ["forward"], 1)
+        assert [r.status for r in results] == ["passed"] and set(sides) == {"linen", "nnx"}
+    else:
+        with pytest.raises(errors.WorkerLost, match=r"worker nnx .*killed by signal 9"):
+            release_pair.run_gate(config, environments, ["forward"], 1)
+    assert list(tmp_path.iterdir()) == []
+    assert processes_naming(tmp_path) == []
+
+
+@pytest.mark.slow
 def test_a_side_that_cannot_be_built_is_an_error_of_its_code():
     worker = Worker(sys.executable, "linen", [TESTS], timeout_s=60)
     try:
@@ -200,6 +310,7 @@ BAD_ENVIRONMENTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("flags", "fragment"), BAD_ENVIRONMENTS)
 def test_a_bad_environment_is_refused_before_jax(flags, fragment):
     start = time.monotonic()
@@ -210,6 +321,7 @@ def test_a_bad_environment_is_refused_before_jax(flags, fragment):
 ACROSS = ("roundtrip", "init", "forward", "grads", "sharding", "program", "train")
 
 
+@pytest.mark.compat
 @pytest.mark.slow
 def test_the_twins_in_two_workers_pass_the_engine_checks(tmp_path):
     """`parity CONFIG --linen_python=... --nnx_python=...`: each side in its own worker (here

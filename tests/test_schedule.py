@@ -8,6 +8,8 @@ from conftest import tiny
 
 from migrate.common import schedule
 
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
+
 
 def test_placement_example_of_pipeline_md():
     # 24 layers, S=4, L=3, R=2: stage 0 runs layers 0-2 and 12-14.

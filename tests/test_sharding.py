@@ -14,6 +14,8 @@ from jax.sharding import PartitionSpec as P
 from migrate.common import axes, placement, sharding
 from migrate.linen.decoder import Decoder, param_shardings
 
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
+
 
 def test_mesh_has_the_config_axes():
     cfg = tiny("llama2-tiny")
@@ -135,6 +137,7 @@ def test_pipeline_gathers_stage_weights_over_fsdp_only_on_fsdp_x_tensor_meshes()
         assert not sharding.stage_weights_need_gathering(tiny(name))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("framework", ["linen", "nnx"])
 @pytest.mark.parametrize("use_pipeline", [None, False], ids=["pipeline", "reference"])
 def test_embedding_logits_and_loss_run_on_the_batch_split_over_stages(framework, use_pipeline):
@@ -173,6 +176,7 @@ def test_embedding_logits_and_loss_run_on_the_batch_split_over_stages(framework,
     assert rows == cfg.global_batch_size // 8  # data 1 x fsdp 2 x stage 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("framework", ["linen", "nnx"])
 def test_reshards_into_and_out_of_the_pipeline_are_named_constraints(framework):
     """Both reshards are explicit sharding constraints under their own names, in the program

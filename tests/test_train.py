@@ -7,6 +7,7 @@ import functools
 
 import flax.linen as nn
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import tiny
@@ -17,6 +18,10 @@ from migrate.nnx import train as nnx_train
 from parity.decoder import twins
 from parity.decoder.data import synthetic_batch
 from parity.decoder.session import DecoderPair
+from parity.engine.pair import Pair
+from parity.engine.side import Side, Trainer
+
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
 
 
 @functools.cache
@@ -51,6 +56,7 @@ def test_declared_shardings_follow_the_names_and_moments_follow_their_parameters
     assert _specs(nnx_opt_state) == _specs(opt_state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("framework", ["linen", "nnx"])
 def test_pinned_train_step_keeps_the_declared_shardings_step_after_step(framework):
     """Under stage x tensor, XLA would hand the norm scales back sharded over `tensor`; the
@@ -73,6 +79,7 @@ def test_pinned_train_step_keeps_the_declared_shardings_step_after_step(framewor
     assert float(metrics["grad_norm"]) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("framework", ["linen", "nnx"])
 def test_train_step_donates_the_state_and_the_session_keeps_its_weights(framework):
     """Parameters and optimizer state go into the step and its outputs take their buffers
@@ -99,6 +106,7 @@ def test_train_step_donates_the_state_and_the_session_keeps_its_weights(framewor
     assert not any(x.is_deleted() for x in jax.tree.leaves((again.params, again.opt_state)))
 
 
+@pytest.mark.slow
 def test_an_evaluation_that_consumes_the_weights_fails_train_there_not_the_run(monkeypatch):
     """The train check reads the weights back after evaluating them: an evaluation that
     consumed (donated) them fails `train` there, naming them, and nothing is stepped; the run
@@ -183,3 +191,75 @@ def test_the_init_key_made_inside_the_program_is_the_key_made_eagerly(impl):
     for seed in (0, 1, 12345, 2**31 - 1, 2**31, 2**32 - 1):
         eager = jax.random.key_data(jax.random.key(seed, impl=impl))
         assert np.array_equal(traced(np.uint32(seed)), eager), seed
+
+
+class _Step:
+    """A host train step that leaves `w` in `dtype` (its values exact in either dtype)."""
+
+    returned_mismatches: tuple = ()  # no shardings on the host: nothing returned misplaced
+
+    def __init__(self, dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, params, opt_state, batch):
+        w = (np.asarray(params["w"], np.float32) - 0.5).astype(self.dtype)
+        loss = np.float32(np.abs(w.astype(np.float32)).sum())
+        count = opt_state["count"] + np.int32(1)
+        return {"w": w}, {"count": count}, {"loss": loss, "grad_norm": np.float32(1.0)}
+
+
+class _HostSide(Side):
+    """Weights as host arrays, the common form itself; `step_dtype`: the dtype its step leaves
+    the weight in."""
+
+    def __init__(self, framework: str, step_dtype) -> None:
+        self.framework, self.step_dtype = framework, step_dtype
+
+    def own_weights(self):
+        return {"params": {"w": np.array([2.0, 2.5, 3.0, 3.5], np.float32)}}
+
+    def to_common(self, weights):
+        return weights
+
+    def from_common(self, variables):
+        return variables
+
+    def plain(self, tree):
+        return tree
+
+    def run(self, weights):
+        raise NotImplementedError
+
+    def lowered(self, weights):
+        raise NotImplementedError
+
+    def program_shardings(self, compiled):
+        return {}
+
+    def trainer(self, weights):
+        evaluate = lambda params, batch: np.float32(np.asarray(params["w"], np.float32).sum())
+        return Trainer(weights["params"], {"count": np.int32(0)}, _Step(self.step_dtype), evaluate)
+
+
+class _HostPair(Pair):
+    def batch(self, step: int = 0, split: str = "train"):
+        return None
+
+
+@pytest.mark.parametrize("nnx_dtype", [np.float32, ml_dtypes.bfloat16])
+def test_a_step_that_leaves_a_parameter_in_another_dtype_fails_train(nnx_dtype):
+    """The NNX step leaves its weight in bfloat16 with the very values Linen's float32 holds:
+    `train` compares dtypes, as `forward` does (the next step computes in that dtype), and
+    names the parameter and both dtypes; the same step in float32 passes."""
+    from parity.analysis import compare
+    from parity.engine import numeric
+
+    pair = _HostPair(_HostSide("linen", np.float32), _HostSide("nnx", nnx_dtype), compare.EXACT)
+    result = numeric.train(pair, steps=2)
+    if nnx_dtype is np.float32:
+        assert result.passed, result.message
+        return
+    assert not result.passed and result.where == "step 0/params/w", result.where
+    failed = [r for r in result.details if not r["passed"]]
+    assert failed[0]["note"] == "dtype: Linen float32 vs NNX bfloat16"
+    assert [s["passed"] for s in result.steps] == [False, False]

@@ -49,6 +49,7 @@ def run(framework: str, cfg, variables, use_pipeline):
     return twins.run_nnx(cfg, s.mesh, params, s.train_batch, use_pipeline)
 
 
+@pytest.mark.slow
 def test_a_tied_config_has_no_logits_head_leaf_on_either_side():
     s = session()
     linen = convert.flatten_dict(nn.meta.unbox(s.linen_variables["params"]))
@@ -67,6 +68,7 @@ def test_a_tied_config_has_no_logits_head_leaf_on_either_side():
 SUM_ORDER = compare.Tolerance(float(np.finfo(np.float32).eps), "one rounding of the tied sum")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("framework", ["linen", "nnx"])
 @pytest.mark.parametrize("use_pipeline,layout", LAYOUTS, ids=[name for _, name in LAYOUTS])
 def test_the_tied_gradient_is_the_sum_of_the_lookup_and_head_gradients(

@@ -7,6 +7,8 @@ import pytest
 
 from migrate.checkpoints.weight_map import Entry, WeightMap, WeightMapError, match
 
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
+
 MAP = WeightMap(
     "old -> new",
     (

@@ -17,8 +17,11 @@ from flax import nnx
 from flax.nnx import bridge
 
 from migrate import errors
+from parity.engine import bridges
 from parity.engine.modules import LinenModuleSide, NNXModuleSide
 from parity.pairs import Call, Randomness, compare_modules, exit_status, format_report
+
+pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
 
 
 def _load_pair():
@@ -177,6 +180,22 @@ def test_decoding_compares_the_cache_after_every_step():
 
 
 # ------------------------------------------------------------------ half-migrated models
+
+
+def test_nnx_capture_keeps_its_buffers_where_the_bridge_shield_looks():
+    """API contract (flax 0.12.8 and 0.12.12): `nnx.capture` keeps a module's buffers as the
+    attribute `bridges.CAPTURES` while the module runs; the harness hides exactly that one from
+    a `ToNNX` layer (`parity/engine/bridges.py`)."""
+    seen = []
+
+    class Probe(nnx.Module):
+        def __call__(self, x):
+            seen.append(bridges.CAPTURES in vars(self))
+            self.sow(nnx.Intermediate, "y", x)
+            return x
+
+    nnx.capture(Probe(), nnx.Intermediate)(jax.numpy.ones(3))
+    assert seen == [True]
 
 
 class LinenBlock(nn.Module):

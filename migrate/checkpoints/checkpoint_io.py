@@ -68,7 +68,8 @@ def _type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
     scalar = ocp.type_handlers.ScalarHandler()
     arrays = ocp.type_handlers.ArrayHandler(
         min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_SLICE_BYTES,
-        # the default handler's store (per-array write shapes); not exported in 0.12.8
+        # the default handler's store (per-array write shapes); not exported by
+        # orbax-checkpoint 0.12.8
         array_metadata_store=array_metadata_store.Store(),
     )
     return ocp.type_handlers.create_type_handler_registry(

@@ -5,9 +5,12 @@ Rules (docs/checkpoints.md, "Safety"):
 
 - An empty directory is a destination like a missing one (nothing in it to lose), with or
   without `--force`.
-- `--force` replaces a destination only when it is a checkpoint this tool recognises (its items
-  and a valid `meta`); anything else (a directory of other files, a file, a symbolic link, the
-  current directory or one above it, the source or a directory above it) is refused, always.
+- `--force` replaces a destination only when it is a checkpoint this tool recognises: a twins
+  checkpoint (its items and a valid `meta`), or a MaxText checkpoints root this tool wrote
+  (`--to=maxtext`: its `ROOT_MARKER` names the step directories it wrote, and the root holds
+  nothing else: a step MaxText's `train.py` added since is not the tool's to remove). Anything
+  else (a directory of other files, a file, a symbolic link, the current directory or one above
+  it, the source or a directory above it) is refused, always.
 - A destination whose parent is a file or cannot be written is refused before any work.
 - The checkpoint is written to `STAGING/checkpoint`, STAGING being `.migrate-staging-<12 hex>`
   beside the destination (a short fixed name: any legal destination name fits) with an
@@ -51,6 +54,10 @@ STAGED = "checkpoint"  # the new checkpoint inside a staging directory
 REPLACED = "replaced"  # the old destination, moved aside during the final move
 NAME_BYTES = 255  # the file-name limit of Linux file systems
 SETTLE_S = 0.5
+# In a MaxText checkpoints root this tool wrote: what it wrote there (Orbax's checkpoint
+# manager lists only step directories, so MaxText reads the root as before).
+ROOT_MARKER = "written-by-migrate.json"
+ROOT_FORMAT = "linen-nnx-parity/maxtext-root"
 
 
 def _real(path: Path) -> Path:
@@ -76,6 +83,37 @@ def _empty_directory(dst: Path) -> bool:
         return False
 
 
+def mark_root(root: Path, steps: Sequence[str]) -> None:
+    """Record in the MaxText checkpoints root `root` (staged) that this tool wrote it, with the
+    step directories it wrote."""
+    record = {"format": ROOT_FORMAT, "version": 1, "steps": sorted(steps)}
+    (root / ROOT_MARKER).write_text(json.dumps(record) + "\n")
+
+
+def _root_problem(dst: Path) -> str | None:
+    """Why `dst`, which has a `ROOT_MARKER`, is not a MaxText root exactly as this tool wrote
+    it (the marker valid, the steps it names there as directories, nothing else), or None."""
+    try:
+        record = safe_load.load_json_file(dst / ROOT_MARKER, 1 << 16, "marker")
+    except safe_load.ParseError as e:
+        return f"its {ROOT_MARKER} is unreadable ({str(e)[:200]})"
+    steps = record.get("steps") if isinstance(record, dict) else None
+    if not isinstance(steps, list) or record.get("format") != ROOT_FORMAT:
+        return f"its {ROOT_MARKER} is not this tool's"
+    try:
+        entries = set(os.listdir(dst)) - {ROOT_MARKER}
+    except OSError as e:
+        return f"cannot be listed ({e.strerror})"
+    others = sorted(entries - set(map(str, steps)))
+    if others:
+        shown = ", ".join(others[:5]) + (" ..." if len(others) > 5 else "")
+        return f"holds entries this tool did not write ({shown})"
+    linked = [s for s in steps if not (dst / str(s)).is_dir() or (dst / str(s)).is_symlink()]
+    if linked:
+        return f"step {linked[0]} is not the directory this tool wrote"
+    return None
+
+
 def replaceable_problem(dst: Path) -> str | None:
     """Why `--force` must not replace the existing `dst`, or None when it may."""
     if _empty_directory(dst):
@@ -84,6 +122,9 @@ def replaceable_problem(dst: Path) -> str | None:
         return "is a symbolic link"
     if not dst.is_dir():
         return "is not a directory"
+    if (dst / ROOT_MARKER).is_file():
+        problem = _root_problem(dst)
+        return f"is not a MaxText checkpoints root this tool wrote: {problem}" if problem else None
     try:
         meta.read_meta(dst)
     except CheckpointError as e:

@@ -1,7 +1,8 @@
 """Converting MaxText checkpoints into the twins' and back (the map is
 `migrate.checkpoints.maxtext_layouts`'s): the same contract as `commands.convert_checkpoint`
 (the source only read, a staging directory moved into place when complete, `--force` only over
-what the tool wrote, nothing written on failure, refusals as CheckpointError: exit 2).
+what the tool wrote, a MaxText checkpoints root included (`destination.ROOT_MARKER`), nothing
+written on failure, refusals as CheckpointError: exit 2).
 
     into_twins(RUN/checkpoints/2, DST, cfg, "nnx", "pipeline")   # a twins checkpoint
     from_twins(DST, OUT/checkpoints, cfg, "nnx")                 # OUT/checkpoints/2/items
@@ -240,6 +241,7 @@ def from_twins(
         with ocp.CheckpointManager(root) as manager:
             manager.save(step - 1, args=ocp.args.Composite(items=ocp.args.PyTreeSave(tree)))
             manager.wait_until_finished()
+        destination.mark_root(root, [p.name for p in root.iterdir()])  # what --force may replace
         found = differences(flat, maxtext_layouts.read(root / str(step - 1))) if verify else []
         destination.publish_unless(found, staging, dst, force)
     except BaseException:

@@ -110,6 +110,19 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's error as the rest of one line: where (line and column, counted from 1) and what.
+    PyYAML's own text spans several lines (the context, a quote of the source, a caret)."""
+    if isinstance(error, yaml.MarkedYAMLError):
+        mark = error.problem_mark or error.context_mark
+        what = error.problem or error.context or "cannot parse"
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        context = f" ({error.context})" if error.problem and error.context else ""
+        return where + ": " + shorten(" ".join(f"{what}{context}".split()), 300)
+    lines = str(error).strip().splitlines()
+    return f": {shorten(lines[0].strip(), 300)}" if lines else ""
+
+
 def load_yaml(text: str, source: str) -> Any:
     """`yaml.safe_load(text)` within the bounds, no key stated twice in one mapping; any problem
     is a ParseError naming `source`."""
@@ -121,7 +134,7 @@ def load_yaml(text: str, source: str) -> Any:
     except _DuplicateKey as e:
         raise ParseError(f"{source}: {e}") from None
     except yaml.YAMLError as e:
-        raise ParseError(f"{source}: not valid YAML: {shorten(str(e), 600)}") from None
+        raise ParseError(f"{source}: not valid YAML{yaml_problem(e)}") from None
     except (ValueError, TypeError, OverflowError, RecursionError) as e:
         if isinstance(e, ParseError):
             raise

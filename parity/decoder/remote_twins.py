@@ -67,7 +67,8 @@ class RemoteDecoderPair(DecoderPair):
         self.config_path, self.overrides = str(config_path), list(overrides)
         self.environments = environments
         self.workers = WorkerSet()
-        super().__init__(cfg)
+        with self.workers.closed_on_failure():  # one side failed: the other one stops too
+            super().__init__(cfg)
 
     def _side(self, framework: str, cfg: Config | None = None, **variant: Any) -> RemoteSide:
         if cfg is not None or variant:

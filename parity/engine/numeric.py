@@ -25,7 +25,6 @@ from parity.engine.result import (
     numeric_records,
     one_sided_record,
     ranked_errors,
-    tree_records,
     verdict,
 )
 from parity.engine.side import Run, returned_sharding_mismatches
@@ -243,8 +242,10 @@ def train(
 ) -> CheckResult:
     """`steps` optimizer steps on both sides from the same weights and optimizer state, with a
     forward-only evaluation before the first step and after the last. Per step: loss, gradient
-    norm, every updated parameter and every optimizer-state leaf; the first diverging step is
-    named. `on_step(step, passed)` is called after each step."""
+    norm, every updated parameter and every optimizer-state leaf, matched by path with its
+    dtype, as `forward` compares (equal values in another dtype differ: the next step computes
+    in that dtype); the first diverging step is named. `on_step(step, passed)` is called after
+    each step."""
     tol = pair.tolerance
     linen, nnx = pair.linen, pair.nnx
     linen_t = linen.trainer(pair.weights("linen", "linen"))
@@ -261,7 +262,7 @@ def train(
         before = (linen.plain(linen_params), nnx.plain(nnx_params))  # host copies
         linen_loss = linen_t.evaluate(linen_params, eval_batch)
         nnx_loss = nnx_t.evaluate(nnx_params, eval_batch)
-        records.extend(tree_records(f"eval-{label}/loss", nnx_loss, linen_loss, tol))
+        records.extend(keyed_records(f"eval-{label}/loss", nnx_loss, linen_loss, tol))
         usable = True
         for side, params, kept in ((linen, linen_params, before[0]), (nnx, nnx_params, before[1])):
             prefix = f"eval-{label}/{side.framework}-params"
@@ -270,7 +271,7 @@ def train(
             usable = usable and not consumed
         return usable
 
-    records.extend(tree_records("init/opt_state", nnx.plain(nnx_opt), linen.plain(linen_opt), tol))
+    records.extend(keyed_records("init/opt_state", nnx.plain(nnx_opt), linen.plain(linen_opt), tol))
     usable = evaluate("before")
     losses = []
     for step in range(steps if usable else 0):
@@ -288,13 +289,13 @@ def train(
         resumable = all(r["passed"] for r in step_records)
         for key in ("loss", "grad_norm", "aux_loss"):
             if key in linen_metrics or key in nnx_metrics:
-                step_records += tree_records(
+                step_records += keyed_records(
                     f"step {step}/{key}", nnx_metrics.get(key), linen_metrics.get(key), tol
                 )
-        step_records += tree_records(
+        step_records += keyed_records(
             f"step {step}/params", nnx.plain(nnx_params), linen.plain(linen_params), tol
         )
-        step_records += tree_records(
+        step_records += keyed_records(
             f"step {step}/opt_state", nnx.plain(nnx_opt), linen.plain(linen_opt), tol
         )
         records.extend(step_records)

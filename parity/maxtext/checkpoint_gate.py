@@ -36,9 +36,10 @@ import numpy as np
 from migrate.checkpoints import maxtext_layouts
 from parity.analysis import compare
 from parity.engine import result
-from parity.maxtext.gate_config import MaxTextConfig, batch
+from parity.maxtext.gate_config import CHECKPOINT_STEPS, MaxTextConfig, batch, still_running
 from parity.maxtext.train_factory import LOGITS
 from parity.remote.client import Worker, WorkerSet
+from parity.reports.progress import progress
 
 FACTORY = "parity.maxtext.train_factory:make"
 METRICS = ("learning/loss", "learning/grad_norm", "learning/raw_grad_norm")
@@ -145,21 +146,28 @@ def _device_flags(count: int) -> str:
 
 
 def cross_release(
-    config: MaxTextConfig, environments: dict, directory: Path, steps: int = 3
+    config: MaxTextConfig, environments: dict, directory: Path, steps: int = CHECKPOINT_STEPS
 ) -> tuple[result.CheckResult, dict[str, Any]]:
     """Write with 0.2.3 (`steps` steps, the last checkpointed), restore with both releases,
-    one more step on each; the `checkpoint` verdict and the facts (first steps, metrics)."""
+    one more step on each; the `checkpoint` verdict and the facts (first steps, metrics). Each
+    stage says so on stderr, and a call to a worker that runs long says so every 30 s (each
+    `train.py` run compiles MaxText's model: minutes here)."""
     workers = WorkerSet()
     variables = {"DECOUPLE_GCLOUD": "TRUE", "XLA_FLAGS": _device_flags(config.num_devices)}
     try:
         for side in ("linen", "nnx"):
             options = {"framework": side, "overrides": config.keys}
-            workers.start(side, environments[side], FACTORY, options, None, variables)
+            workers.start(
+                side, environments[side], FACTORY, options, None, variables, still_running
+            )
         linen, nnx = workers["linen"], workers["nnx"]
         root = str(directory)
+        trains = f"{steps} step{'s' if steps > 1 else ''}"
+        progress(f"checkpoint: 0.2.3's train.py trains {trains}, checkpointing the last")
         _, written = call(
             linen, "train", directory=root, run_name="written", steps=steps, checkpoint_period=steps
         )
+        progress("checkpoint: 0.2.3 and 0.2.5 each restore it with their own restore path")
         for side in ("linen", "nnx"):
             shutil.copytree(directory / "written", directory / f"resumed-{side}")
         tokens = batch(config.keys, config.num_devices, 0, 0, "eval")["inputs"]
@@ -180,6 +188,7 @@ def cross_release(
             tokens=tokens.tolist(),
         )
         logits_l, logits_n = restored_l.pop(LOGITS), restored_n.pop(LOGITS)
+        progress(f"checkpoint: step {steps} on each release's train.py, from what it restored")
         _, trained_l = call(
             linen,
             "train",
@@ -196,6 +205,7 @@ def cross_release(
             steps=steps + 1,
             checkpoint_period=steps,
         )
+        progress("checkpoint: each release restores its new checkpoint; 0.2.3 restores 0.2.5's")
         after_l, _ = call(
             linen, "restore", directory=root, run_name="resumed-linen", steps=steps + 2
         )

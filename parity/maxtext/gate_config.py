@@ -3,6 +3,10 @@ MaxText's own keys (as its users type them on `train.py`'s command line), `key=v
 overrides on top, the environments of the two releases, and the synthetic batch both sides run
 on (numpy). No JAX, no MaxText.
 
+The keys the project knows (sizes, counts, parallelism, dtypes) are held to the twins' bounds
+(`migrate.config.bounds`) here, before any worker starts: both releases accept nonsense such
+as `base_num_decoder_layers=-4` and would gate it. Other keys are left to the releases.
+
     # configs/maxtext/pp4.yml
     maxtext:
       decoder_block: llama2
@@ -21,9 +25,11 @@ from typing import Any
 import numpy as np
 
 from migrate.config import safe_load
+from migrate.config.bounds import INT_BOUNDS, MAX_PER_DEVICE_BATCH, short_repr
 from migrate.errors import BadInput
 from parity.decoder import catalog
 from parity.remote.client import REPO
+from parity.reports.progress import progress
 
 MAX_BYTES = 1 << 16
 REQUIRED = ("per_device_batch_size", "max_target_length", "vocab_size")
@@ -38,6 +44,24 @@ CHECKS = ("roundtrip", "init", "forward", "grads", "sharding", "train", "compile
 OWN_CHECKS = ("compile", "layers", "checkpoint")
 CHECK_NAMES = (*catalog.CHECK_NAMES, "checkpoint")  # what --checks may name with --maxtext
 ICI = re.compile(r"^ici_(\w+)_parallelism$")
+DCN = re.compile(r"^dcn_(\w+)_parallelism$")
+MAX_ICI = 512  # the mesh is simulated CPU devices
+CHECKPOINT_STEPS = 3  # `checkpoint`: 0.2.3's train.py trains these, the last checkpointed
+# The twins' bounds of the keys MaxText names alike, and MaxText's own size keys: inclusive,
+# -1 where MaxText reads it as "derive it" (`pipeline_parallel_layers`, ...). The mesh axes
+# are bounded apart (`violations`): MaxText's `dcn_*` take -1 ("the rest"), an `ici_*` axis
+# of a simulated mesh at most `MAX_ICI` devices.
+MAXTEXT_BOUNDS: dict[str, tuple[int, int]] = {
+    **{k: v for k, v in INT_BOUNDS.items() if k != "seed" and not (ICI.match(k) or DCN.match(k))},
+    "base_moe_mlp_dim": (-1, 2**18),  # -1: base_mlp_dim
+    "global_parameter_scale": (1, 2**10),  # a power of two
+    "first_num_dense_layers": (0, 2**10),
+}
+# MaxText's `DType` (0.2.3 and 0.2.5 alike), bytes per element; `mu_dtype` may also be empty
+# (the weights' dtype).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+DTYPE_KEYS = ("dtype", "weight_dtype", "grad_dtype", "mu_dtype")
+MATMUL_PRECISIONS = ("default", "high", "highest")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,14 +118,80 @@ def load(path: str | Path, overrides: list[str]) -> MaxTextConfig:
     missing = [k for k in REQUIRED if k not in keys]
     if missing:
         raise BadInput(f"{path}: the MaxText config must set {', '.join(missing)}")
-    sizes = {name: keys[name] for name in keys if ICI.match(name)}
-    bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or not 1 <= v <= 512}
-    if bad:
-        raise BadInput(f"{path}: ici_*_parallelism must be integers in 1..512 here: {bad}")
-    devices = math.prod(sizes.values()) if sizes else 1
-    if not 1 <= devices <= 512:
-        raise BadInput(f"{path}: the mesh needs {devices} devices; at most 512 simulated")
+    problems = violations(keys)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise BadInput(f"{path}: {problems[0]}{more}")
+    sizes = [keys[name] for name in keys if ICI.match(name)]
+    devices = math.prod(sizes) if sizes else 1
+    if not 1 <= devices <= MAX_ICI:
+        raise BadInput(f"{path}: the mesh needs {devices} devices; at most {MAX_ICI} simulated")
+    if int(keys["per_device_batch_size"] * devices) < 1:
+        raise BadInput(
+            f"{path}: per_device_batch_size={keys['per_device_batch_size']} on {devices} "
+            "devices: a global batch of no row"
+        )
     return MaxTextConfig(Path(path).stem, keys, devices)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_problem(key: str, value: Any, low: int, high: int) -> str | None:
+    """Why `value` is no integer in `low..high` (-1 meaning "derive it" where `low` is -1),
+    or None; the key named, the value shortened."""
+    if _is_int(value) and low <= value <= high:
+        return None
+    shown = f"{key}={short_repr(value)}"
+    if low == 1 and _is_int(value) and value < 1:
+        return f"{shown}: must be a positive integer"
+    if low == -1:
+        return f"{shown}: must be -1 or an integer in 1..{high}"
+    return f"{shown}: must be an integer in {low}..{high}"
+
+
+def violations(keys: dict[str, Any]) -> list[str]:
+    """The known keys out of their bounds (`MAXTEXT_BOUNDS`, the mesh axes, the batch, the
+    dtypes), in the config's order; empty when every one is in bounds."""
+    out = []
+    for key, value in keys.items():
+        if key in MAXTEXT_BOUNDS:
+            low, high = MAXTEXT_BOUNDS[key]
+            problem = _int_problem(key, value, low, high)
+            if problem is None and low == -1 and value == 0:
+                problem = f"{key}=0: must be -1 or an integer in 1..{high}"
+            if problem is None and key == "global_parameter_scale" and value & (value - 1):
+                problem = f"{key}={value}: must be a power of two"
+        elif ICI.match(key):
+            problem = _int_problem(key, value, 1, MAX_ICI)
+        elif DCN.match(key):
+            problem = _int_problem(key, value, -1, INT_BOUNDS["dcn_data_parallelism"][1])
+            if problem is None and value == 0:
+                problem = f"{key}=0: must be -1 or a positive integer"
+        elif key == "per_device_batch_size":
+            problem = _batch_problem(value)
+        elif key in DTYPE_KEYS:
+            allowed = [*DTYPE_BYTES, *([""] if key == "mu_dtype" else [])]
+            shown = f"{key}={short_repr(value)}"
+            problem = None if value in allowed else f"{shown}: must be one of {allowed}"
+        elif key == "matmul_precision":
+            ok, allowed = value in MATMUL_PRECISIONS, list(MATMUL_PRECISIONS)
+            problem = None if ok else f"{key}={short_repr(value)}: must be one of {allowed}"
+        else:
+            continue
+        if problem is not None:
+            out.append(problem)
+    return out
+
+
+def _batch_problem(value: Any) -> str | None:
+    shown = f"per_device_batch_size={short_repr(value)}"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"{shown}: must be a number"
+    if not (math.isfinite(value) and 0 < value <= MAX_PER_DEVICE_BATCH):
+        return f"{shown}: must be a number in (0, {MAX_PER_DEVICE_BATCH}]"
+    return None
 
 
 def default_python(framework: str) -> str | None:
@@ -139,6 +229,14 @@ def environments(flags: Any) -> dict[str, Any]:
         paths = [out[side].path] if path else []
         require_module(out[side].python, "maxtext", what, paths, name="MaxText")
     return out
+
+
+def still_running(worker: str, doing: str, seconds: float) -> None:
+    """The progress line of a release's worker whose call runs long (building its model, a
+    `train.py` run): a gate on a large model would be silent for minutes otherwise."""
+    release = RELEASES.get(worker)
+    who = f"the {worker} side (MaxText {release})" if release else f"worker {worker}"
+    progress(f"{who}: {doing} still running after {seconds:.0f}s")
 
 
 def runnable(selected: list[str]) -> tuple[list[str], list[str]]:

@@ -24,6 +24,7 @@ from parity.maxtext.gate_config import MaxTextConfig, batch
 from parity.remote.client import WorkerError, WorkerSet
 from parity.remote.environments import Environment
 from parity.remote.proxy import RemoteSide
+from parity.reports.progress import progress, workers_line
 
 FACTORY = "parity.maxtext.decoder_factory:make"
 # MaxText 0.2.3 (Linen) -> 0.2.5 (NNX): every parameter keeps its path, shape and dtype
@@ -65,21 +66,22 @@ class MaxTextPair(Pair):
         environments: dict[str, Environment],
         seed: int = 0,
         started: dict[str, RemoteSide] | None = None,
+        checkpoint_steps: int = gate_config.CHECKPOINT_STEPS,
     ) -> None:
         """`started`: sides already running for this config and seed (another pair's, e.g. one
-        Linen release against several NNX builds): used as they are, not restarted."""
+        Linen release against several NNX builds): used as they are, not restarted, and left
+        running when the other side fails to start. `checkpoint_steps`: the steps 0.2.3's
+        `train.py` trains before it checkpoints (`checkpoint`)."""
         self.config, self.keys = config, config.keys
         self.environments, self.seed = environments, seed
         self.devices = config.num_devices
+        self.checkpoint_steps = checkpoint_steps
         self.workers = WorkerSet()
         started = started or {}
         for framework, side in started.items():
             self.workers[framework] = side.worker
-        try:
+        with self.workers.closed_on_failure():  # one side failed: the other one stops too
             sides = [started.get(f) or self._side(f) for f in ("linen", "nnx")]
-        except BaseException:
-            self.workers.close()
-            raise
         super().__init__(*sides, TOLERANCE)
 
     def sides(self) -> dict[str, dict[str, Any]]:
@@ -110,6 +112,28 @@ class MaxTextPair(Pair):
         return lm_vacuity_problems(run, int(self.keys["vocab_size"]))
 
 
+def run_gate(
+    config: MaxTextConfig,
+    environments: dict[str, Environment],
+    selected: list[str],
+    steps: int,
+    checkpoint_steps: int = gate_config.CHECKPOINT_STEPS,
+) -> tuple[list, list, dict[str, dict[str, Any]]]:
+    """`parity --maxtext`'s run: both releases' workers started, the `selected` checks run on
+    them (`steps`: the train check's), every worker stopped however the run ends (a side that
+    fails to start, a lost worker, an interrupt). (results, costs, the sides' versions)."""
+    from parity.decoder import runner
+
+    pair = MaxTextPair(config, environments, checkpoint_steps=checkpoint_steps)
+    try:
+        progress(f"{config.describe()}; sides: {pair.workers.describe(environments)}")
+        results, costs = runner.run_checks(pair, selected, steps, drill_down=False)
+        progress(workers_line(*pair.workers.call_and_transfer_seconds()))
+        return results, costs, pair.sides()
+    finally:
+        pair.workers.close()
+
+
 def start_side(
     config: MaxTextConfig, framework: str, env: Environment, workers: WorkerSet, seed: int = 0
 ) -> RemoteSide:
@@ -118,7 +142,13 @@ def start_side(
     first_batch = batch(config.keys, config.num_devices, seed, 0, "train")
     try:
         worker = workers.start(
-            framework, env, FACTORY, options, first_batch, {"DECOUPLE_GCLOUD": "TRUE"}
+            framework,
+            env,
+            FACTORY,
+            options,
+            first_batch,
+            {"DECOUPLE_GCLOUD": "TRUE"},
+            on_wait=gate_config.still_running,
         )
     except WorkerError as e:  # `decoder_factory.WrongRelease`: the release builds the other decoder
         if e.remote_type != "WrongRelease":
@@ -154,13 +184,16 @@ def layers(pair: MaxTextPair) -> Any:
 
 
 def checkpoint(pair: MaxTextPair) -> Any:
-    """`checkpoint` on MaxText: a checkpoint of 0.2.3's own `train.py`, restored and trained one
-    more step by both releases (`parity.maxtext.checkpoint_gate`), in a folder of its own."""
+    """`checkpoint` on MaxText: a checkpoint of 0.2.3's own `train.py` after the pair's
+    `checkpoint_steps` steps, restored and trained one more step by both releases
+    (`parity.maxtext.checkpoint_gate`), in a folder of its own."""
     import tempfile
     from pathlib import Path
 
     from parity.maxtext import checkpoint_gate
 
     with tempfile.TemporaryDirectory(prefix="parity-maxtext-checkpoint-") as directory:
-        verdict, _ = checkpoint_gate.cross_release(pair.config, pair.environments, Path(directory))
+        verdict, _ = checkpoint_gate.cross_release(
+            pair.config, pair.environments, Path(directory), pair.checkpoint_steps
+        )
     return verdict

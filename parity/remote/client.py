@@ -7,7 +7,9 @@ turn its death, a hang or a broken reply into `WorkerLost` (exit 3) naming the w
 
 Every call waits at most `timeout_s` (the first, which builds the side, `start_timeout_s`);
 past that the worker is killed. What the worker prints on stderr is kept (its last lines
-name a crash) and shown under `--verbose`-like `echo`.
+name a crash) and shown under `--verbose`-like `echo`. A worker never outlives its owner's
+failure: `WorkerSet.closed_on_failure` stops every worker started inside the block (its
+process ended, its temporary directory removed) when the block raises, whatever the stage.
 """
 
 from __future__ import annotations
@@ -22,8 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +53,22 @@ class WorkerError(Exception):
 
 
 def check_interpreter(python: str) -> str:
-    """`python` as an executable path, or BadInput (exit 2) saying what it is instead."""
+    """`python` as an absolute executable path (a relative one read against the caller's
+    directory: the worker starts in its own), or BadInput (exit 2) saying what it is instead.
+    Links are kept, not resolved: a venv's interpreter is a link that finds its venv by its
+    own path."""
     found = shutil.which(python) if os.sep not in python else python
     if found is None or not os.path.exists(found):
         raise BadInput(f"worker interpreter {python!r}: not found")
     if os.path.isdir(found) or not os.access(found, os.X_OK):
         raise BadInput(f"worker interpreter {python!r}: not an executable file")
-    return found
+    return os.path.abspath(found)
+
+
+# What a caller is told while a call runs long: `(worker name, what it is doing, seconds so
+# far)`, every `WAIT_LINE_S` seconds of one call.
+OnWait = Callable[[str, str, float], None]
+WAIT_LINE_S = 30.0
 
 
 class Worker:
@@ -72,11 +82,21 @@ class Worker:
         env: dict[str, str] | None = None,
         timeout_s: float = 600.0,
         start_timeout_s: float = 900.0,
+        on_wait: OnWait | None = None,
+        wait_line_s: float = WAIT_LINE_S,
     ) -> None:
         self.python = check_interpreter(python)
         self.name, self.timeout_s, self.start_timeout_s = name, timeout_s, start_timeout_s
-        self.directory = Path(tempfile.mkdtemp(prefix=f"parity-worker-{name}-"))
-        _STARTED.append(weakref.ref(self))
+        self.on_wait, self.wait_line_s = on_wait, wait_line_s
+        self.directory: Path | None = Path(tempfile.mkdtemp(prefix=f"parity-worker-{name}-"))
+        try:
+            self._launch(pythonpath, env)
+        except BaseException:  # a failed or interrupted launch leaves nothing behind
+            self.close()
+            raise
+
+    def _launch(self, pythonpath: Sequence[str | Path], env: dict[str, str] | None) -> None:
+        """Start the process and wait for its `ready` line."""
         paths = [str(Path(p).resolve()) for p in (*pythonpath, REPO)]
         environment = {**os.environ, **(env or {})}
         environment["PYTHONPATH"] = os.pathsep.join(paths)
@@ -100,14 +120,12 @@ class Worker:
                 cwd=self.directory,
             )
         except OSError as e:
-            shutil.rmtree(self.directory, ignore_errors=True)
-            raise BadInput(f"worker interpreter {python!r}: cannot start it: {e}") from None
+            raise BadInput(f"worker interpreter {self.python!r}: cannot start it: {e}") from None
         threading.Thread(target=self._read_stdout, daemon=True).start()
         threading.Thread(target=self._read_stderr, daemon=True).start()
         ready = self._reply(self.start_timeout_s, "starting")
         if ready.get("ready", {}).get("version") != protocol.VERSION:
-            self.close()
-            raise WorkerLost(f"worker {name}: speaks another protocol: {ready}")
+            raise WorkerLost(f"worker {self.name}: speaks another protocol: {ready}")
 
     # -------------------------------------------------------------- reading
 
@@ -128,11 +146,24 @@ class Worker:
         shown = ("; its last words: " + " | ".join(tail)[-1500:]) if tail else ""
         return WorkerLost(f"worker {self.name} ({self.python}): {why}{shown}")
 
+    def _next_line(self, timeout_s: float, doing: str) -> str | None:
+        """The worker's next stdout line (None: it closed stdout), waiting at most
+        `timeout_s`; `on_wait` is told every `wait_line_s` seconds meanwhile."""
+        start = time.monotonic()
+        deadline = start + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            wait = min(left, self.wait_line_s) if self.on_wait is not None else left
+            try:
+                return self.replies.get(timeout=max(wait, 0.0))
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    raise self._lost(f"no answer within {timeout_s:.0f}s while {doing}") from None
+                assert self.on_wait is not None
+                self.on_wait(self.name, doing, time.monotonic() - start)
+
     def _reply(self, timeout_s: float, doing: str) -> dict[str, Any]:
-        try:
-            line = self.replies.get(timeout=timeout_s)
-        except queue.Empty:
-            raise self._lost(f"no answer within {timeout_s:.0f}s while {doing}") from None
+        line = self._next_line(timeout_s, doing)
         if line is None:
             self.process.wait(timeout=30)
             code = self.process.returncode
@@ -155,7 +186,8 @@ class Worker:
             protocol.send(self.process.stdin, {"op": op, **args})
         except (BrokenPipeError, OSError):
             raise self._lost(f"stopped reading requests ({op})") from None
-        reply = self._reply(self.timeout_s if timeout_s is None else timeout_s, op)
+        doing = f"{op} {args['method']}" if "method" in args else op
+        reply = self._reply(self.timeout_s if timeout_s is None else timeout_s, doing)
         self.seconds_in_calls += time.perf_counter() - start
         self.calls += 1
         if reply.get("compiles") and "jax" in sys.modules:  # never the one to start JAX
@@ -209,8 +241,9 @@ class Worker:
             except (OSError, subprocess.TimeoutExpired, ValueError):
                 process.kill()
                 process.wait(timeout=30)
-        if getattr(self, "directory", None) is not None:
-            shutil.rmtree(self.directory, ignore_errors=True)
+        directory = getattr(self, "directory", None)
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
             self.directory = None  # closed: a second close (at exit, `__del__`) does nothing
 
     def __del__(self) -> None:
@@ -227,32 +260,31 @@ def compilation_cache_variables() -> dict[str, str]:
     if not directory:
         return {}
     seconds = jax.config.jax_persistent_cache_min_compile_time_secs
-    return {
-        "JAX_COMPILATION_CACHE_DIR": str(directory),
+    return {  # absolute: the worker runs in a directory of its own
+        "JAX_COMPILATION_CACHE_DIR": os.path.abspath(os.path.expanduser(str(directory))),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(seconds),
     }
-
-
-_STARTED: list[weakref.ref[Worker]] = []  # every worker this process started, in order
-
-
-@contextlib.contextmanager
-def closed_on_failure() -> Iterator[None]:
-    """Every worker started inside the block is closed (stopped, its temporary directory
-    removed) when the block raises: a pair whose second side failed to start leaves nothing."""
-    first = len(_STARTED)
-    try:
-        yield
-    except BaseException:
-        for ref in _STARTED[first:]:
-            if (worker := ref()) is not None:
-                worker.close()
-        raise
 
 
 class WorkerSet(dict):
     """The workers of a pair's sides, by framework: started from their environments, what they
     cost, closed together."""
+
+    @contextlib.contextmanager
+    def closed_on_failure(self) -> Iterator[WorkerSet]:
+        """Every worker added to the set inside the block is closed (its process stopped, its
+        temporary directory removed) and dropped from the set when the block raises, whatever
+        raised (a failed start, a lost worker, an interrupt); workers the set held before are
+        left to their owner."""
+        before = {id(worker) for worker in self.values()}
+        try:
+            yield self
+        except BaseException:
+            for framework, worker in list(self.items()):
+                if id(worker) not in before:
+                    worker.close()
+                    del self[framework]
+            raise
 
     def start(
         self,
@@ -262,20 +294,19 @@ class WorkerSet(dict):
         options: dict,
         batch: Any,
         variables: dict[str, str] | None = None,
+        on_wait: OnWait | None = None,
     ) -> Worker:
         """A worker for `framework` in `where` (an `environments.Environment`), with extra
         environment `variables`, its side built by `factory(options, batch)`; `worker.info` is
-        what the side reported (versions)."""
+        what the side reported (versions). `on_wait` is told while a call runs long."""
         paths = [*([where.path] if where.path else []), *where.extra_paths]
         env = {**compilation_cache_variables(), **(variables or {})}
-        worker = Worker(where.python, framework, paths, env=env, timeout_s=where.timeout_s)
-        self[framework] = worker
-        try:
+        with self.closed_on_failure():
+            worker = Worker(
+                where.python, framework, paths, env=env, timeout_s=where.timeout_s, on_wait=on_wait
+            )
+            self[framework] = worker
             worker.info = worker.start(factory, {**options, "patch": where.patch}, batch)
-        except BaseException:
-            worker.close()  # a failed start leaves no process and no temporary directory
-            self.pop(framework, None)
-            raise
         return worker
 
     def call_and_transfer_seconds(self) -> tuple[float, float]:

@@ -225,10 +225,7 @@ class Server:
         lowered = _model(lambda: self.side.lowered(weights))
         with self.compiles.measure() as compiling:
             compiled = _model(lambda: self.side.compiled(weights))
-        try:
-            lowered_text = lowered.as_text(dialect="hlo", debug_info=True)
-        except TypeError:  # an older jax without the keywords
-            lowered_text = lowered.as_text()
+        lowered_text = program_text(lowered)
         memory = compiled.memory_analysis()
         memory_fields = {
             name: int(getattr(memory, name))
@@ -306,6 +303,15 @@ class Server:
         for handle in handles:
             self.held.pop(handle, None)
         return {}
+
+
+def program_text(lowered: Any) -> str:
+    """A lowered program's HLO text with its source lines (what the `program` check diffs):
+    jax 0.12 takes `dialect` and `debug_info`; an older jax's `as_text()` takes neither."""
+    try:
+        return lowered.as_text(dialect="hlo", debug_info=True)
+    except TypeError:
+        return lowered.as_text()
 
 
 def _compile_source(cost: Any) -> str:
