@@ -5,6 +5,10 @@ reported as one, and the SPMD partitioner's involuntary rematerialisations captu
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -101,3 +105,31 @@ def test_remat_warnings_are_parsed_with_tensor_shardings_and_bytes():
     assert remat.shape == (2, 4096, 4096) and remat.bytes == 2 * 4096 * 4096 * 2
     assert remat.source == "{mesh['stage'=4,'fsdp'=2], [{'fsdp', 'stage'}, {}, {}]}"
     assert remat.target.startswith("{devices=[1,1,2,4]")
+
+
+EXIT_LOST_WORKER = """
+import sys
+from migrate.runtime import cli_support
+from parity.engine import compiles
+print(compiles.use_compilation_cache(""), flush=True)
+cli_support.exit_now(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("status", [0, 3])
+def test_the_runs_own_cache_is_removed_however_the_run_exits(status, tmp_path):
+    """`--compilation_cache_dir=''`: the run's own temporary cache is removed at a normal exit
+    and at the prompt exit of a lost worker (exit 3), which skips the interpreter's hooks."""
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_LOST_WORKER, str(status)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert done.returncode == status, done.stderr[-2000:]
+    made = Path(done.stdout.strip())
+    assert made.parent == tmp_path and made.name.startswith("parity-run-cache-")
+    assert not made.exists()

@@ -8,9 +8,11 @@ No JAX here.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import stat
 import sys
@@ -178,6 +180,16 @@ def _interrupted_while_exiting(program: str, status: int) -> Callable[[int, obje
     return leave
 
 
+_TEMPORARY: list[str] = []  # directories this run made: removed however it exits
+
+
+def remove_at_exit(directory: str) -> None:
+    """`directory` (made by this run) removed when the process exits: at the interpreter's
+    exit, and by `exit_now`'s prompt exit, which skips the interpreter's exit hooks."""
+    _TEMPORARY.append(directory)
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+
+
 def exit_now(status: int, distributed: bool = False, program: str = "") -> None:
     """Exit with `status`. After an internal error, a lost worker or an interrupt, threads that
     JAX, Orbax or the distributed runtime left running must not hold the process (or hang it in
@@ -199,6 +211,8 @@ def exit_now(status: int, distributed: bool = False, program: str = "") -> None:
     prompt = status == EXIT_WORKER or status >= 128 or (status == EXIT_INTERNAL and not distributed)
     if prompt and "jax" in sys.modules:
         _flush()
+        for directory in _TEMPORARY:
+            shutil.rmtree(directory, ignore_errors=True)
         os._exit(status)
     sys.exit(status)
 

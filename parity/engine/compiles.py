@@ -10,7 +10,6 @@ record builders, so that a check's wall time splits into compile, compare and ru
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import functools
@@ -19,7 +18,6 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
 import tempfile
 import threading
@@ -29,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import jax
+
+from migrate.runtime import cli_support
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT = "/jax/compilation_cache/cache_hits"
@@ -377,12 +377,13 @@ def compile_for_real(lowered: jax.stages.Lowered) -> Compiled:
 
 def use_compilation_cache(directory: str, min_compile_seconds: float = 0.0) -> str:
     """Compile through JAX's persistent cache in `directory`; with none given, through a
-    temporary one of this run's, deleted when the process exits (a crash that skips the
-    interpreter's exit leaves it in the temp folder): identical programs of a run (the twins'
-    train steps, Linen's and NNX's) are then compiled once, the rest read. The directory used."""
+    temporary one of this run's, deleted when the process exits (`cli_support.remove_at_exit`:
+    a lost worker's prompt exit too; only a crash leaves it in the temp folder): identical
+    programs of a run (the twins' train steps, Linen's and NNX's) are then compiled once, the
+    rest read. The directory used."""
     if not directory:
         directory = tempfile.mkdtemp(prefix="parity-run-cache-")
-        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        cli_support.remove_at_exit(directory)
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
     return directory
