@@ -28,13 +28,14 @@ endif
 # MaxText's own releases, each in its own environment, for the MaxText gate (tests/test_maxtext.py
 # and `parity --maxtext`): 0.2.3 (Linen decoder) and 0.2.5 (NNX decoder). Python 3.12 only.
 MAXTEXT_RELEASES := 0.2.3 0.2.5
-# The releases build side by side (pip mostly waits on the disk); each one's log is printed if
-# it fails.
+# The releases build side by side (pip mostly waits on the disk), by the installed tool's own
+# command (python -m parity.maxtext.build_envs, stdlib only); each one's log is printed if it
+# fails.
 maxtext-envs:
 	@python="$$(.ci/find-python python3.12)"; logs=$$(mktemp -d); pids=""; \
 	for v in $(MAXTEXT_RELEASES); do \
-	  MAXTEXT_VERSION=$$v MAXTEXT_VENV=$(CURDIR)/.venv-maxtext-$$v PYTHON="$$python" \
-	    bench/maxtext/install.sh >$$logs/$$v.log 2>&1 & pids="$$pids $$!"; done; \
+	  PYTHONPATH=$(CURDIR) "$$python" -m parity.maxtext.build_envs --dir $(CURDIR) $$v \
+	    >$$logs/$$v.log 2>&1 & pids="$$pids $$!"; done; \
 	status=0; for pid in $$pids; do wait $$pid || status=1; done; \
 	if [ $$status -ne 0 ]; then cat $$logs/*.log >&2; fi; rm -rf $$logs; exit $$status
 

@@ -28,7 +28,7 @@ from migrate import errors
 from migrate.checkpoints import meta
 from migrate.config.bounds import MAX_UNROLLED_LAYERS
 from migrate.config.contract import Config
-from migrate.config.loading import load_config, parse_overrides
+from migrate.config.loading import base_config_path, load_config, parse_overrides, resolve
 from migrate.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_USAGE, BadInput
 from migrate.runtime import cli_help, cli_support, memory
 from migrate.runtime.devices import ensure_simulated_devices
@@ -239,6 +239,7 @@ def _run(argv: Sequence[str]) -> int:
     stored = None
     if FLAGS.checkpoint is None:
         cfg = load_config(positional[0], positional[1:])
+        progress(f"config {resolve(positional[0])} over {base_config_path(resolve(positional[0]))}")
     else:  # overrides and the checkpoint's layout applied as `migrate` applies them
         if FLAGS.num_processes > 1:
             return usage_error("--checkpoint runs in one process (--num_processes=1)")
@@ -341,6 +342,8 @@ def _run_maxtext(positional: Sequence[str]) -> int:
             "not with --maxtext"
         )
     config = gate_config.load(positional[0], positional[1:])
+    path = resolve(positional[0], "maxtext")
+    progress(f"config {path} over {gate_config.base_path(path)}")
     given = FLAGS.checks is not None  # `--checks=` (empty) is refused, as without --maxtext
     selected = _select_checks(gate_config.CHECK_NAMES) if given else list(gate_config.CHECKS)
     if isinstance(selected, str):

@@ -286,3 +286,42 @@ def test_force_never_replaces_a_maxtext_root_beyond_what_migrate_wrote(
                  str(twins_checkpoint), str(root), *TWIN_KEYS, timeout=60)  # fmt: skip
     refused(result, errors.EXIT_USAGE, str(root), fragment, "not replacing it, even with --force")
     assert snapshot(tmp_path) == before
+
+
+# ------------------------------------------------------------------ environments, installed
+
+
+def environments_command(*args: str):
+    import subprocess
+
+    return subprocess.run(
+        [sys.executable, "-m", "parity.maxtext.build_envs", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.slow
+@needs_envs
+def test_a_built_environment_is_left_as_it_is():
+    """`python -m parity.maxtext.build_envs` (what `make maxtext-envs` runs): on a release's
+    built environment it installs nothing again (its stamps unchanged) and prints its
+    interpreter, the one the gate finds by default."""
+    from parity.maxtext import build_envs
+
+    venv = build_envs.venv_path("0.2.3", REPO)
+    stamps = {p: p.stat().st_mtime_ns for p in (venv / ".installed", venv / ".imports-checked")}
+    done = environments_command("--dir", str(REPO), "0.2.3")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (
+        done.stdout.strip() == str(venv / "bin" / "python") == gate_config.default_python("linen")
+    )
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+
+
+@pytest.mark.slow
+def test_an_unknown_release_is_refused():
+    done = environments_command("--dir", str(REPO), "0.9.9")
+    assert done.returncode == 2 and "not a release this project maps" in done.stderr

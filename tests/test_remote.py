@@ -77,6 +77,33 @@ def test_a_workers_program_text_is_hlo_on_this_jax():
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_a_worker_imports_the_projects_packages_and_nothing_else_of_the_callers(
+    tmp_path, monkeypatch
+):
+    """Installed, the folder above `parity/` is the caller's whole site-packages. A worker's
+    path holds links to the project's own packages only: a `jax` of the caller's that sits
+    beside them (here one that cannot be imported) is not the worker's, which imports its own
+    environment's jax (the version its interpreter reports) and serves its side."""
+    import jax
+
+    from parity.remote import client
+
+    site = tmp_path / "site-packages"
+    (site / "jax").mkdir(parents=True)
+    (site / "jax" / "__init__.py").write_text('raise ImportError("the caller\'s own jax")\n')
+    for name in ("migrate", "parity"):
+        (site / name).symlink_to(REPO / name, target_is_directory=True)
+    monkeypatch.setattr(client, "REPO", site)
+    worker = Worker(sys.executable, "nnx", [TESTS], timeout_s=60)
+    try:
+        info = worker.start(FAKES, {}, {"x": np.zeros(2, np.int32)})
+        assert info["jax"] == jax.__version__
+        assert worker.call("own_weights")["handle"] >= 1  # it serves its side
+    finally:
+        worker.close()
+
+
 @pytest.mark.compat
 def test_a_worker_serves_its_side_and_stdout_chatter_does_not_break_it():
     worker = fake_worker(run="print")

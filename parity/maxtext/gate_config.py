@@ -24,11 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from migrate.config import safe_load
+from migrate.config import loading, safe_load
 from migrate.config.bounds import INT_BOUNDS, MAX_PER_DEVICE_BATCH, short_repr
 from migrate.errors import BadInput
 from parity.decoder import catalog
-from parity.remote.client import REPO
+from parity.maxtext import build_envs
 from parity.reports.progress import progress
 
 MAX_BYTES = 1 << 16
@@ -103,12 +103,20 @@ def _read(path: Path) -> dict[str, Any]:
     return dict(values["maxtext"])
 
 
+def base_path(path: Path) -> Path:
+    """`base.yml` beside the config when there is one (it wins), else the shipped one."""
+    beside = path.parent / "base.yml"
+    return beside if beside.exists() else (loading.SHIPPED / "maxtext" / "base.yml").resolve()
+
+
 def load(path: str | Path, overrides: list[str]) -> MaxTextConfig:
-    """`base.yml` beside the config, the config at `path`, then `key=value` overrides;
-    BadInput names what is wrong."""
-    path = Path(path)
-    base = path.parent / "base.yml"
-    keys = _read(base) if base.exists() and base.resolve() != path.resolve() else {}
+    """The base (`base_path`), the config at `path` (or the shipped MaxText config of that
+    name: `pp4`), then `key=value` overrides; BadInput names what is wrong."""
+    path = loading.resolve(path, "maxtext")
+    if not path.exists() and not path.is_symlink():
+        raise BadInput(loading.not_found(path, "maxtext"))
+    base = base_path(path)
+    keys = _read(base) if base.resolve() != path.resolve() else {}
     keys.update(_read(path))
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -195,9 +203,9 @@ def _batch_problem(value: Any) -> str | None:
 
 
 def default_python(framework: str) -> str | None:
-    """The interpreter `make maxtext-envs` installed for `framework`'s release, if there."""
-    python = REPO / f".venv-maxtext-{RELEASES[framework]}" / "bin" / "python"
-    return str(python) if python.exists() else None
+    """The interpreter of `framework`'s release as `python -m parity.maxtext.build_envs`
+    (or `make maxtext-envs`) built it, if it is there."""
+    return build_envs.find_python(RELEASES[framework])
 
 
 def environments(flags: Any) -> dict[str, Any]:
@@ -213,8 +221,9 @@ def environments(flags: Any) -> dict[str, Any]:
         python = flags[f"{side}_python"].value or default_python(side)
         if python is None:
             raise BadInput(
-                f"--maxtext: no MaxText {release} environment for the {side} side; run "
-                f"`make maxtext-envs` or pass --{side}_python"
+                f"--maxtext: no MaxText {release} environment for the {side} side; build it "
+                f"with `python -m parity.maxtext.build_envs {release}` (in a checkout: `make "
+                f"maxtext-envs`), or pass --{side}_python"
             )
         given = flags[f"{side}_python"].value
         what = f"--{side}_python={given}" if given else f"the {side} side's interpreter {python}"

@@ -31,7 +31,24 @@ from typing import Any
 from migrate.errors import BadInput, WorkerLost
 from parity.remote import protocol
 
-REPO = Path(__file__).resolve().parent.parent.parent
+REPO = Path(__file__).resolve().parent.parent.parent  # a checkout, or the caller's site-packages
+PROJECT_PACKAGES = ("migrate", "parity")  # all a worker imports of this installation
+
+
+def project_path(directory: Path) -> Path:
+    """`directory/packages`, holding links to this installation's own packages and nothing
+    else: a worker imports them ahead of its own environment's packages, and no other package
+    of the caller's (installed, the folder above `parity/` is the caller's whole
+    site-packages: its jax and flax would hide the worker's own)."""
+    folder = directory / "packages"
+    folder.mkdir(exist_ok=True)
+    for name in PROJECT_PACKAGES:
+        link = folder / name
+        if not link.is_symlink():
+            link.symlink_to(REPO / name, target_is_directory=True)
+    return folder
+
+
 STDERR_LINES = 200
 
 
@@ -97,7 +114,9 @@ class Worker:
 
     def _launch(self, pythonpath: Sequence[str | Path], env: dict[str, str] | None) -> None:
         """Start the process and wait for its `ready` line."""
-        paths = [str(Path(p).resolve()) for p in (*pythonpath, REPO)]
+        assert self.directory is not None
+        paths = [str(Path(p).resolve()) for p in pythonpath]
+        paths.append(str(project_path(self.directory)))
         environment = {**os.environ, **(env or {})}
         environment["PYTHONPATH"] = os.pathsep.join(paths)
         environment.setdefault("JAX_PLATFORMS", "cpu")

@@ -7,12 +7,13 @@ import dataclasses
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from migrate.errors import BadInput
-from parity.remote.client import REPO, check_interpreter
+from parity.remote.client import check_interpreter, project_path
 
 SIDES = ("linen", "nnx")
 
@@ -44,16 +45,17 @@ def require_module(
     with `paths` first on its path as its worker's, cannot import `module`. An interpreter that
     cannot answer the question (it fails or hangs) is left to its worker, which reports what
     happens there."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, str(REPO)])}
     try:
-        done = subprocess.run(
-            [python, "-c", _PROBE, module],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=os.sep,  # not the caller's directory: a checkout there would answer for it
-            timeout=120,
-        )
+        with tempfile.TemporaryDirectory(prefix="parity-probe-") as directory:
+            project = str(project_path(Path(directory)))
+            done = subprocess.run(
+                [python, "-c", _PROBE, module],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join([*paths, project])},
+                cwd=os.sep,  # not the caller's directory: a checkout there would answer for it
+                timeout=120,
+            )
     except (OSError, subprocess.SubprocessError):
         return
     if done.returncode == 0 and done.stdout.strip() == "missing":
