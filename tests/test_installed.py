@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.compat]  # installed under each stack's pins
 
 REPO = Path(__file__).resolve().parent.parent
 PINS = REPO / "constraints" / f"py{sys.version_info.major}{sys.version_info.minor}.txt"
