@@ -122,6 +122,9 @@ def test_a_bug_injected_in_the_nnx_release_is_caught_at_its_place(
 
 
 def test_a_maxtext_config_is_validated_before_jax(tmp_path):
+    """A base of the user's beside the config wins over the shipped one: here one that lacks
+    the keys every gate config must set."""
+    (tmp_path / "base.yml").write_text("maxtext:\n  decoder_block: llama2\n")
     bad = tmp_path / "bad.yml"
     bad.write_text("maxtext:\n  vocab_size: 128\n")
     refused(

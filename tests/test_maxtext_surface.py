@@ -325,3 +325,35 @@ def test_a_built_environment_is_left_as_it_is():
 def test_an_unknown_release_is_refused():
     done = environments_command("--dir", str(REPO), "0.9.9")
     assert done.returncode == 2 and "not a release this project maps" in done.stderr
+
+
+MOE = ("decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=128")
+
+
+@pytest.mark.slow
+def test_an_moe_config_on_the_megablox_kernel_is_refused_naming_the_keys_that_fix_it():
+    """MaxText's MoE layers default to its megablox kernel, which the CPU cannot run: refused
+    before any worker starts, the keys of the dense path named; with them the config passes."""
+    refused(
+        maxtext(*MOE, "--dry_run"), 2, "megablox MoE kernel", "megablox=false sparse_matmul=false"
+    )
+    dense = gate_config.load(PP4, [*MOE, "megablox=false", "sparse_matmul=false"])
+    assert dense.keys["num_experts"] == 4
+
+
+SPLIT = (
+    "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4", "base_num_decoder_layers=8",
+    "num_pipeline_microbatches=8", "pipeline_fsdp_ag_once=true",
+)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_microbatch_that_cannot_split_over_fsdp_is_refused_before_the_workers():
+    """One sequence a microbatch over fsdp 4: both releases stop in a `shard_map` after the
+    first checks; refused in seconds, the keys named. Four sequences a microbatch split."""
+    refused(maxtext(*SPLIT, "--dry_run"), 2, "num_pipeline_microbatches=8", "fsdp")
+    fits = gate_config.load(PP4, [*SPLIT, "per_device_batch_size=4"])
+    assert fits.keys["per_device_batch_size"] == 4
+    for shipped in sorted((REPO / "configs" / "maxtext").glob("*.yml")):
+        if shipped.stem != "base":
+            gate_config.load(shipped, [])  # every shipped shape splits

@@ -130,6 +130,9 @@ def load(path: str | Path, overrides: list[str]) -> MaxTextConfig:
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise BadInput(f"{path}: {problems[0]}{more}")
+    for problem in (cpu_problem(keys), microbatch_problem(keys)):
+        if problem is not None:
+            raise BadInput(f"{path}: {problem}")
     sizes = [keys[name] for name in keys if ICI.match(name)]
     devices = math.prod(sizes) if sizes else 1
     if not 1 <= devices <= MAX_ICI:
@@ -191,6 +194,57 @@ def violations(keys: dict[str, Any]) -> list[str]:
         if problem is not None:
             out.append(problem)
     return out
+
+
+def cpu_problem(keys: dict[str, Any]) -> str | None:
+    """Why both releases would refuse to run `keys` on this CPU, where a key says it before any
+    worker starts, or None. MaxText's mixture-of-experts layers default to its megablox kernel
+    (`megablox: true` in both releases' base.yml), which runs on TPU and GPU only ("Only
+    interpret mode is supported on CPU backend"); its dense path runs on the CPU."""
+    experts = keys.get("num_experts", 1)
+    if isinstance(experts, int) and experts > 1 and keys.get("megablox", True) is not False:
+        return (
+            f"num_experts={experts}: MaxText's megablox MoE kernel runs on TPU and GPU only; "
+            "on the CPU set megablox=false sparse_matmul=false (the dense path: the releases "
+            "agree bit for bit there, pp4 with 4 experts measured)"
+        )
+    return None
+
+
+# The mesh axes MaxText splits a pipeline microbatch over (its `activation_batch` rule in both
+# releases' base.yml: data, fsdp, fsdp_transpose, expert), each ICI x DCN.
+BATCH_AXES = ("data", "fsdp", "fsdp_transpose", "expert")
+
+
+def microbatch_problem(keys: dict[str, Any]) -> str | None:
+    """Why a pipelined config's microbatches cannot split over the batch axes, or None: MaxText
+    shards each microbatch (the global batch over `num_pipeline_microbatches`, -1: the stages)
+    over `BATCH_AXES`, and both releases stop in a `shard_map` ("not evenly divisible") after
+    the first checks have run."""
+    size = lambda axis, kind: keys.get(f"{kind}_{axis}_parallelism", 1)
+    axes = [size(a, k) for a in ("pipeline", *BATCH_AXES) for k in ("ici", "dcn")]
+    if not all(isinstance(n, int) and n >= 1 for n in axes):
+        return None  # a -1 (auto) axis: left to the releases
+    stages = axes[0] * axes[1]
+    if stages == 1:
+        return None
+    devices = math.prod(v for k, v in keys.items() if ICI.match(k) and isinstance(v, int))
+    devices *= math.prod(v for k, v in keys.items() if DCN.match(k) and isinstance(v, int))
+    batch = int(keys["per_device_batch_size"] * devices)
+    microbatches = keys.get("num_pipeline_microbatches", -1)
+    microbatches = stages if microbatches == -1 else microbatches
+    shards = math.prod(axes[2:])
+    if not isinstance(microbatches, int) or microbatches < 1 or batch % microbatches:
+        return None  # MaxText's own validation names it
+    if (batch // microbatches) % shards:
+        return (
+            f"num_pipeline_microbatches={microbatches}: a microbatch of "
+            f"{batch // microbatches} sequences (per_device_batch_size="
+            f"{keys['per_device_batch_size']} x {devices} devices / {microbatches}) cannot split "
+            f"over the batch axes data x fsdp x fsdp_transpose x expert ({shards}); raise "
+            "per_device_batch_size or lower num_pipeline_microbatches"
+        )
+    return None
 
 
 def _batch_problem(value: Any) -> str | None:
