@@ -82,23 +82,28 @@ def test_a_worker_imports_the_projects_packages_and_nothing_else_of_the_callers(
     tmp_path, monkeypatch
 ):
     """Installed, the folder above `parity/` is the caller's whole site-packages. A worker's
-    path holds links to the project's own packages only: a `jax` of the caller's that sits
-    beside them (here one that cannot be imported) is not the worker's, which imports its own
-    environment's jax (the version its interpreter reports) and serves its side."""
+    path holds links to the project's own packages only: the caller's jax, flax and maxtext
+    beside them (here ones that cannot be imported) are not the worker's, which imports its
+    own environment's jax and flax (the versions its interpreter reports) and serves its
+    side."""
+    import flax
     import jax
 
     from parity.remote import client
 
     site = tmp_path / "site-packages"
-    (site / "jax").mkdir(parents=True)
-    (site / "jax" / "__init__.py").write_text('raise ImportError("the caller\'s own jax")\n')
+    for package in ("jax", "flax", "maxtext"):
+        (site / package).mkdir(parents=True)
+        (site / package / "__init__.py").write_text(
+            f'raise ImportError("the caller\'s {package}")\n'
+        )
     for name in ("migrate", "parity"):
         (site / name).symlink_to(REPO / name, target_is_directory=True)
     monkeypatch.setattr(client, "REPO", site)
     worker = Worker(sys.executable, "nnx", [TESTS], timeout_s=60)
     try:
         info = worker.start(FAKES, {}, {"x": np.zeros(2, np.int32)})
-        assert info["jax"] == jax.__version__
+        assert (info["jax"], info["flax"]) == (jax.__version__, flax.__version__)
         assert worker.call("own_weights")["handle"] >= 1  # it serves its side
     finally:
         worker.close()
