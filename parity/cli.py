@@ -238,8 +238,9 @@ def _run(argv: Sequence[str]) -> int:
         return _run_maxtext(positional)
     stored = None
     if FLAGS.checkpoint is None:
-        cfg = load_config(positional[0], positional[1:])
-        progress(f"config {resolve(positional[0])} over {base_config_path(resolve(positional[0]))}")
+        path = resolve(positional[0])
+        cfg = load_config(path, positional[1:])
+        progress(f"config {path} over {base_config_path(path)}")
     else:  # overrides and the checkpoint's layout applied as `migrate` applies them
         if FLAGS.num_processes > 1:
             return usage_error("--checkpoint runs in one process (--num_processes=1)")
@@ -341,9 +342,9 @@ def _run_maxtext(positional: Sequence[str]) -> int:
             "--golden/--update_golden: golden sharding reports are the twins' (parity CONFIG), "
             "not with --maxtext"
         )
-    config = gate_config.load(positional[0], positional[1:])
     path = resolve(positional[0], "maxtext")
-    progress(f"config {path} over {gate_config.base_path(path)}")
+    config = gate_config.load(path, positional[1:])
+    progress(f"config {path} over {base_config_path(path, 'maxtext')}")
     given = FLAGS.checks is not None  # `--checks=` (empty) is refused, as without --maxtext
     selected = _select_checks(gate_config.CHECK_NAMES) if given else list(gate_config.CHECKS)
     if isinstance(selected, str):
@@ -360,8 +361,8 @@ def _run_maxtext(positional: Sequence[str]) -> int:
     if skipped:
         progress(f"not with --maxtext (the twins' checks), skipped: {', '.join(skipped)}")
     estimate = gate_memory.estimate(config)
-    if FLAGS.memory_check:
-        gate_memory.check(config, f"--maxtext {positional[0]} (both releases' workers)")
+    if FLAGS.memory_check and estimate is not None:
+        memory.check_fits(estimate, 1.0, f"--maxtext {positional[0]} (both releases' workers)")
     environments = gate_config.environments(FLAGS)
     outputs = _outputs(config.model_name)
     if FLAGS.dry_run:
@@ -370,8 +371,8 @@ def _run_maxtext(positional: Sequence[str]) -> int:
             if "checkpoint" in selected
             else ""
         )
-        checks = ", ".join(selected)
-        print(f"{config.describe()}; checks: {checks}{trained}; {gate_memory.describe(config)}")
+        checks, memory_line = ", ".join(selected), gate_memory.describe(config, estimate)
+        print(f"{config.describe()}; checks: {checks}{trained}; {memory_line}")
         return EXIT_PASS
     if gate_memory.large(estimate):
         from parity.remote.client import WAIT_LINE_S

@@ -91,10 +91,12 @@ def with_changes(cfg: Config, changes: Mapping[str, Any]) -> Config:
         return cfg.replace(**{**SCHEDULE_DEFAULTS, **changes})
 
 
-def base_config_path(model_path: Path) -> Path:
-    """`base.yml` beside the model YAML when there is one (it wins), else the shipped base."""
+def base_config_path(model_path: Path, folder: str = "") -> Path:
+    """`base.yml` beside the model YAML when there is one (it wins), else the shipped base of
+    `folder` (`""`: the twins', `"maxtext"`)."""
     beside = model_path.parent / "base.yml"
-    return beside if beside.exists() or beside.is_symlink() else (SHIPPED / "base.yml").resolve()
+    shipped = SHIPPED / folder / "base.yml"
+    return beside if beside.exists() or beside.is_symlink() else shipped.resolve()
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -29,6 +29,7 @@ from importlib import metadata
 from typing import Any
 
 from parity.remote import protocol
+from parity.remote.worker import first_line
 
 # What the worker reads beside `make` (`parity.remote.worker`): the calls that read MaxText's
 # config and build its mesh (an exception inside them is the config's fault: bad input, not a
@@ -57,10 +58,11 @@ _PYDANTIC = re.compile(r"^(\d+) validation errors? for \w+$")
 def config_error_line(message: str) -> str:
     """MaxText's refusal of a config as one short line: of a pydantic validation error its
     first field line (`field: message`, without pydantic's `[type=...]` tail), of an unknown key
-    (MaxText lists every valid key after it) just the key, else the first line, shortened."""
+    (MaxText lists every valid key after it) just the key, else the first line; shortened as
+    the worker shortens any config error (`worker.first_line`)."""
     lines = [line for line in message.strip().splitlines() if line.strip()]
     if not lines:
-        return "(no message)"
+        return first_line(message)
     if match := _UNKNOWN_KEY.match(lines[0]):
         return f"unknown key {match[1]!r}"
     header = _PYDANTIC.match(lines[0].strip())
@@ -70,10 +72,8 @@ def config_error_line(message: str) -> str:
             field, text = lines[1].strip() + ": ", lines[2]
         text = re.sub(r"\s*\[type=.*$", "", text.strip())
         more = int(header[1]) - 1
-        line = field + text + (f" (and {more} more validation errors)" if more > 0 else "")
-    else:
-        line = lines[0].strip()
-    return line if len(line) <= 300 else line[:297] + "..."
+        return first_line(field + text + (f" (and {more} more validation errors)" if more else ""))
+    return first_line(message)
 
 
 def _names(variable: Any) -> tuple | None:

@@ -103,19 +103,13 @@ def _read(path: Path) -> dict[str, Any]:
     return dict(values["maxtext"])
 
 
-def base_path(path: Path) -> Path:
-    """`base.yml` beside the config when there is one (it wins), else the shipped one."""
-    beside = path.parent / "base.yml"
-    return beside if beside.exists() else (loading.SHIPPED / "maxtext" / "base.yml").resolve()
-
-
 def load(path: str | Path, overrides: list[str]) -> MaxTextConfig:
-    """The base (`base_path`), the config at `path` (or the shipped MaxText config of that
-    name: `pp4`), then `key=value` overrides; BadInput names what is wrong."""
+    """The base (`loading.base_config_path`), the config at `path` (or the shipped MaxText
+    config of that name: `pp4`), then `key=value` overrides; BadInput names what is wrong."""
     path = loading.resolve(path, "maxtext")
     if not path.exists() and not path.is_symlink():
         raise BadInput(loading.not_found(path, "maxtext"))
-    base = base_path(path)
+    base = loading.base_config_path(path, "maxtext")
     keys = _read(base) if base.resolve() != path.resolve() else {}
     keys.update(_read(path))
     for item in overrides:
@@ -130,11 +124,11 @@ def load(path: str | Path, overrides: list[str]) -> MaxTextConfig:
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise BadInput(f"{path}: {problems[0]}{more}")
-    for problem in (cpu_problem(keys), microbatch_problem(keys)):
-        if problem is not None:
-            raise BadInput(f"{path}: {problem}")
     sizes = [keys[name] for name in keys if ICI.match(name)]
     devices = math.prod(sizes) if sizes else 1
+    for problem in (cpu_problem(keys), microbatch_problem(keys, devices)):
+        if problem is not None:
+            raise BadInput(f"{path}: {problem}")
     if not 1 <= devices <= MAX_ICI:
         raise BadInput(f"{path}: the mesh needs {devices} devices; at most {MAX_ICI} simulated")
     if int(keys["per_device_batch_size"] * devices) < 1:
@@ -216,8 +210,9 @@ def cpu_problem(keys: dict[str, Any]) -> str | None:
 BATCH_AXES = ("data", "fsdp", "fsdp_transpose", "expert")
 
 
-def microbatch_problem(keys: dict[str, Any]) -> str | None:
-    """Why a pipelined config's microbatches cannot split over the batch axes, or None: MaxText
+def microbatch_problem(keys: dict[str, Any], ici_devices: int) -> str | None:
+    """Why a pipelined config's microbatches cannot split over the batch axes, or None
+    (`ici_devices`: the product of the `ici_*` axes; the `dcn_*` ones multiply it): MaxText
     shards each microbatch (the global batch over `num_pipeline_microbatches`, -1: the stages)
     over `BATCH_AXES`, and both releases stop in a `shard_map` ("not evenly divisible") after
     the first checks have run."""
@@ -228,8 +223,7 @@ def microbatch_problem(keys: dict[str, Any]) -> str | None:
     stages = axes[0] * axes[1]
     if stages == 1:
         return None
-    devices = math.prod(v for k, v in keys.items() if ICI.match(k) and isinstance(v, int))
-    devices *= math.prod(v for k, v in keys.items() if DCN.match(k) and isinstance(v, int))
+    devices = ici_devices * math.prod(v for k, v in keys.items() if DCN.match(k) and _is_int(v))
     batch = int(keys["per_device_batch_size"] * devices)
     microbatches = keys.get("num_pipeline_microbatches", -1)
     microbatches = stages if microbatches == -1 else microbatches

@@ -99,22 +99,12 @@ def estimate(config: MaxTextConfig) -> memory.MemoryEstimate | None:
     )
 
 
-def describe(config: MaxTextConfig) -> str:
-    """The estimate as the plan line says it."""
-    found = estimate(config)
+def describe(config: MaxTextConfig, found: memory.MemoryEstimate | None) -> str:
+    """`estimate(config)` as the plan line says it."""
     if found is None:
         name = config.keys["model_name"]
         return f"memory not estimated (model_name={name}: its sizes are in MaxText's model file)"
     return f"memory {found.describe()}"
-
-
-def check(config: MaxTextConfig, what: str) -> memory.MemoryEstimate | None:
-    """The estimate, or `memory.OutOfMemory` (bad input) when it exceeds the memory available
-    now, naming `what` runs, the estimate and the memory there is."""
-    found = estimate(config)
-    if found is not None:
-        memory.check_fits(found, 1.0, what)
-    return found
 
 
 def large(found: memory.MemoryEstimate | None) -> bool:

@@ -87,12 +87,10 @@ class MaxTextPair(Pair):
     def sides(self) -> dict[str, dict[str, Any]]:
         """Per side, what its worker runs: MaxText's, Python's, JAX's and flax's versions, and
         its interpreter (the JSON report's `sides`)."""
-        out = {}
-        for side, worker in self.workers.items():
-            versions = {**worker.info.get("packages", {}), **worker.info}
-            keys = [k for k in ("maxtext", "python", "jax", "flax") if k in versions]
-            out[side] = {**{k: versions[k] for k in keys}, "interpreter": worker.python}
-        return out
+        return {
+            side: {**worker.versions(), "interpreter": worker.python}
+            for side, worker in self.workers.items()
+        }
 
     def _side(self, framework: str) -> RemoteSide:
         env = self.environments[framework]

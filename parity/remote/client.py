@@ -195,6 +195,13 @@ class Worker:
 
     # -------------------------------------------------------------- calls
 
+    def versions(self) -> dict[str, str]:
+        """What the worker's side reported at its start: the versions of the packages its
+        factory declares, then Python's, JAX's and flax's."""
+        reported = dict(self.info.get("packages", {}))
+        reported.update({k: self.info[k] for k in ("python", "jax", "flax") if k in self.info})
+        return reported
+
     def call(self, op: str, timeout_s: float | None = None, **args: Any) -> dict[str, Any]:
         """One request, its reply's `ok` part; `WorkerError` for an exception it reported."""
         if self.process.poll() is not None:
@@ -339,12 +346,7 @@ class WorkerSet(dict):
         declares, then Python, JAX and flax), its checkout if any."""
         parts = []
         for side, worker in self.items():
-            reported = {**worker.info.get("packages", {}), **worker.info}
-            versions = ", ".join(
-                f"{name} {reported[name]}"
-                for name in (*worker.info.get("packages", {}), "python", "jax", "flax")
-                if name in reported
-            )
+            versions = ", ".join(f"{name} {v}" for name, v in worker.versions().items())
             path = environments[side].path
             parts.append(
                 f"{side}: {worker.python} ({versions})" + (f", checkout {path}" if path else "")
