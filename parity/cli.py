@@ -237,8 +237,8 @@ def _run(argv: Sequence[str]) -> int:
     if FLAGS.maxtext:
         return _run_maxtext(positional)
     stored = None
+    path = resolve(positional[0])  # a shipped config's name: its file, for workers too
     if FLAGS.checkpoint is None:
-        path = resolve(positional[0])
         cfg = load_config(path, positional[1:])
         progress(f"config {path} over {base_config_path(path)}")
     else:  # overrides and the checkpoint's layout applied as `migrate` applies them
@@ -246,7 +246,7 @@ def _run(argv: Sequence[str]) -> int:
             return usage_error("--checkpoint runs in one process (--num_processes=1)")
         stored = meta.read_meta(FLAGS.checkpoint)  # validated before its keys are used
         changes = parse_overrides(positional[1:])
-        cfg = meta.stored_config(stored, load_config(positional[0]), changes)
+        cfg = meta.stored_config(stored, load_config(path), changes)
     selected = _select_checks()
     if isinstance(selected, str):
         return usage_error(selected)
@@ -296,7 +296,7 @@ def _run(argv: Sequence[str]) -> int:
     if environments is not None:
         from parity.decoder import remote_twins
 
-        pair = remote_twins.RemoteDecoderPair(cfg, positional[0], positional[1:], environments)
+        pair = remote_twins.RemoteDecoderPair(cfg, path, positional[1:], environments)
         progress(f"sides in workers: {pair.workers.describe(environments)}")
     else:
         pair = DecoderPair(cfg)

@@ -401,3 +401,15 @@ def test_a_bug_injected_in_the_nnx_worker_is_caught_where_the_local_gate_catches
         assert numeric.roundtrip(pair).passed  # the weights themselves still match
     finally:
         pair.workers.close()
+
+
+@pytest.mark.slow
+def test_a_shipped_config_named_by_name_reaches_the_workers_as_its_file(tmp_path):
+    """`parity llama2-tiny --nnx_python=...` from a folder of the user's: the workers build
+    their sides from the shipped config's file, not from a path the name would make there."""
+    done = run(
+        "parity", "llama2-tiny", f"--nnx_python={sys.executable}", "--checks=roundtrip",
+        timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert b"PASS" in done.stdout
