@@ -12,13 +12,19 @@ stacking axes, transposes, scales), declared in one table and applied strictly b
 
 A pattern is a `/`-separated path whose `{field}` segments match one path segment each (and
 `{field...}` one or more segments, anywhere); what they match fills the same fields of the
-other side.
+other side. A field of a kind, `{attention~self_attention(_local|_global)?}`, matches one
+segment that its regular expression matches whole: a row for every module of that kind (an
+attention kernel under any attention module's name), not for one path; it carries the same
+expression on both sides, so the row covers the same leaves both ways.
 `moveaxis=(a, b)` moves axis `a` to `b` on the way forward (and back on the way back);
 `transpose` permutes axes; `scale` multiplies on the way forward and divides on the way
-back: bit-exact both ways only for a power of two, which `exact` reports. Of the rows that match
-a leaf, the most specific (most literal segments) applies. A leaf no row matches, two equally
-specific rows for one leaf, or two leaves onto one target is a `WeightMapError` naming
-the paths: nothing is ever dropped silently. Works on host (numpy) arrays.
+back: bit-exact both ways only for a power of two, which `exact` reports. `names` renames
+logical axis names (forward, and back on the way back); a leaf whose names a row's rename would
+not give back unchanged (it already carries the other side's name) is refused. Of the rows that
+match a leaf, the most specific (most literal segments, then most fields of a kind) applies. A
+leaf no row matches, two equally specific rows for one leaf, or two leaves onto one target is a
+`WeightMapError` naming the paths: nothing is ever dropped silently. Works on host (numpy)
+arrays.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ import numpy as np
 from migrate.checkpoints.convert import ConversionError
 
 Path = tuple[str, ...]
-_FIELD = re.compile(r"^\{(\w+)(\.\.\.)?\}$")
+# `{name}`, `{name...}` (one or more segments) or `{name~regex}` (one segment of a kind)
+_FIELD = re.compile(r"^\{(\w+)(?:(\.\.\.)|~(.+))?\}$")
 
 
 class WeightMapError(ConversionError):
@@ -56,9 +63,14 @@ class Entry:
     note: str = ""  # why the row is there (a convention, a rename), shown in reports
 
     def __post_init__(self) -> None:
-        fields = [set(_fields(p)) for p in (self.source, self.target)]
-        if fields[0] != fields[1]:
+        fields = [_fields(p) for p in (self.source, self.target)]
+        if set(fields[0]) != set(fields[1]):
             raise ValueError(f"{self.source} -> {self.target}: fields differ {fields}")
+        kinds = [_kinds(p) for p in (self.source, self.target)]
+        if kinds[0] != kinds[1]:
+            raise ValueError(f"{self.source} -> {self.target}: kinds differ {kinds}")
+        for expression in kinds[0].values():
+            re.compile(expression)  # a bad expression fails where the row is declared
 
     @property
     def exact(self) -> bool:
@@ -111,13 +123,24 @@ class Entry:
         return out
 
 
-def _literals(pattern: str) -> int:
-    """How specific a pattern is: its literal segments (the most specific matching row wins)."""
-    return sum(1 for part in pattern.split("/") if not _FIELD.match(part))
+def _literals(pattern: str) -> tuple[int, int]:
+    """How specific a pattern is: its literal segments, then its fields of a kind (the most
+    specific matching row wins)."""
+    parts = [_FIELD.match(part) for part in pattern.split("/")]
+    return sum(1 for m in parts if m is None), sum(1 for m in parts if m and m.group(3))
 
 
 def _fields(pattern: str) -> list[str]:
     return [m.group(1) for part in pattern.split("/") if (m := _FIELD.match(part))]
+
+
+def _kinds(pattern: str) -> dict[str, str]:
+    """A pattern's fields of a kind: name -> regular expression."""
+    return {
+        m.group(1): m.group(3)
+        for part in pattern.split("/")
+        if (m := _FIELD.match(part)) and m.group(3)
+    }
 
 
 def _regex(pattern: str) -> re.Pattern[str]:
@@ -127,15 +150,22 @@ def _regex(pattern: str) -> re.Pattern[str]:
         if field is None:
             parts.append(re.escape(part))
         else:
-            parts.append(f"(?P<{field.group(1)}>{'.+' if field.group(2) else '[^/]+'})")
+            name, span, kind = field.groups()
+            parts.append(f"(?P<{name}>{'.+' if span else f'(?:{kind})' if kind else '[^/]+'})")
     return re.compile("/".join(parts))
 
 
 def match(pattern: str, path: Path) -> dict[str, str] | None:
     """The fields of `pattern` that `path` fills, or None when it does not match (`{x...}`
-    spans one or more segments, anywhere in the pattern)."""
+    spans one or more segments, anywhere in the pattern; `{x~regex}` one segment that the
+    expression matches whole)."""
     found = _regex(pattern).fullmatch("/".join(path))
-    return None if found is None else found.groupdict()
+    if found is None:
+        return None
+    fields = found.groupdict()
+    if any("/" in fields[name] for name in _kinds(pattern)):  # a kind is one segment
+        return None
+    return fields
 
 
 def fill(pattern: str, fields: Mapping[str, str]) -> Path:
@@ -195,13 +225,21 @@ class WeightMap:
 
     def names(self, flat: Mapping[Path, Any], forward: bool = True) -> dict[Path, Any]:
         """Logical names by source path -> by target path, permuted and renamed as the rows
-        say (the same strictness as the arrays)."""
+        say (the same strictness as the arrays); a rename is checked to give each leaf's names
+        back on the way back (else `WeightMapError`: the leaf already carries the other side's
+        name, which its row does not declare)."""
         out: dict[Path, Any] = {}
+        refused = []
         for path, names in flat.items():
             entry, fields = self._row(path, forward)
-            out[fill(entry.target if forward else entry.source, fields)] = entry.rename(
-                names, forward
-            )
+            renamed = entry.rename(names, forward)
+            back = entry.rename(renamed, not forward)
+            if back != names:  # it carries the other side's name: the row does not describe it
+                refused.append(f"{'/'.join(path)}: {names} -> {renamed} comes back as {back}")
+            out[fill(entry.target if forward else entry.source, fields)] = renamed
+        if refused:
+            way = "forward" if forward else "backward"
+            raise WeightMapError(f"weight map {self.name!r} ({way}): a rename", refused[:20])
         return out
 
     def _row(self, path: Path, forward: bool) -> tuple[Entry, dict[str, str]]:

@@ -5,9 +5,9 @@ release, in its own): `parity configs/maxtext/NAME.yml --maxtext --linen_python=
 The config is a YAML of MaxText keys (MaxText's names and values, as its users type them on
 `train.py`'s command line), `key=value` overrides on top; each side builds its model from its
 own release's `base.yml` with them (`parity.maxtext.decoder_factory`). The weights travel as
-MaxText's own parameter paths (identical in 0.2.3 and 0.2.5; `RELEASES` declares the one
-logical name that differs); what differs between the releases is reported by the checks, not
-mapped away.
+MaxText's own parameter paths (identical in 0.2.3 and 0.2.5; `RELEASES` declares the logical
+names that differ, by the kind of parameter); what differs between the releases is reported by
+the checks, not mapped away.
 """
 
 from __future__ import annotations
@@ -28,19 +28,30 @@ from parity.reports.progress import progress, workers_line
 
 FACTORY = "parity.maxtext.decoder_factory:make"
 # MaxText 0.2.3 (Linen) -> 0.2.5 (NNX): every parameter keeps its path, shape and dtype
-# (measured on every shape of docs/maxtext.md). One declared difference: 0.2.5 names the embed
-# dimension of the attention kernels `embed_attn` (0.2.3: `embed`), a logical name of its own
-# that its rules shard as `embed` (the `sharding` check compares the placements themselves).
-ATTENTION = "{prefix...}/self_attention/{kernel}/kernel"
+# (measured on every family of docs/maxtext.md). Two declared differences of logical names,
+# each on every module of its kind whatever the family names it: 0.2.5 names the embed
+# dimension of the attention kernels `embed_attn` (0.2.3: `embed`; gemma2's
+# `self_attention_local`/`_global`, MLA's `wkv_a` included) and that of the MoE routers
+# `embed_router` (0.2.3: `embed_moe`; deepseek's and llama4's; mixtral's router carries `embed`
+# in both), logical names of their own that its rules shard as the old ones (the `sharding`
+# check compares the placements themselves).
+ATTENTION = r"params/{path...}/{attention~self_attention(_\w+)?}/{projection}/kernel"
+ROUTER = r"params/{path...}/{router~MoeBlock_\d+}/gate/kernel"
 RELEASES = WeightMap(
     "maxtext 0.2.3 -> 0.2.5",
     (
         Entry("{path...}", "{path...}"),
         Entry(
-            "params/" + ATTENTION,
-            "params/" + ATTENTION,
+            ATTENTION,
+            ATTENTION,
             names=(("embed", "embed_attn"),),
             note="0.2.5 names the attention kernels' embed dimension embed_attn",
+        ),
+        Entry(
+            ROUTER,
+            ROUTER,
+            names=(("embed_moe", "embed_router"),),
+            note="0.2.5 names the MoE routers' embed dimension embed_router",
         ),
     ),
 )
