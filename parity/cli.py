@@ -146,6 +146,21 @@ flags.DEFINE_boolean(
 flags.DEFINE_float(
     "worker_timeout_s", 600.0, "Each call to a worker must answer within this.", lower_bound=1
 )
+flags.DEFINE_string(
+    "topology",
+    None,
+    "Compile the `compile` check's train steps for this TPU slice, by MaxText's names (v5e-8, "
+    "v5p-16, ...), from this host (libtpu: `pip install jax[tpu]`), instead of for the CPU: "
+    "per-device memory against the chip's HBM. The config's mesh must have the slice's "
+    "devices (times --num_slices).",
+)
+flags.DEFINE_integer(
+    "num_slices",
+    None,
+    "With --topology: the slices (default: the config's, dcn_data_parallelism x "
+    "dcn_pipeline_parallelism; must equal them).",
+    lower_bound=1,
+)
 flags.DEFINE_boolean("verbose", False, "Print internal errors' tracebacks and compiler warnings.")
 flags.DEFINE_boolean(
     "dry_run",
@@ -218,6 +233,34 @@ def _check_work(cfg: Config, selected: Sequence[str]) -> None:
         memory.check_fits(memory.estimate(cfg, copies=2), share, f"--checks={','.join(allocating)}")
 
 
+def _topology_target(cfg: Config, selected: Sequence[str], elsewhere: bool):
+    """`--topology`/`--num_slices`, validated before JAX (the name, the mesh's devices against
+    the slices', libtpu): the `parity.tpu.check.Target`, or None without them."""
+    if FLAGS.topology is None:
+        if FLAGS.num_slices is not None:
+            raise BadInput("--num_slices: only with --topology")
+        return None
+    if "compile" not in selected:
+        raise BadInput("--topology: compiles the compile check's programs; add --checks=compile")
+    if elsewhere:
+        raise BadInput(
+            "--topology: the TPU compile runs in this process (not with --num_processes, "
+            "--linen_python/--nnx_python or --linen_path/--nnx_path)"
+        )
+    num_slices = cfg.num_slices if FLAGS.num_slices is None else FLAGS.num_slices
+    if num_slices != cfg.num_slices:
+        raise BadInput(
+            f"--num_slices={num_slices}: the config's mesh spans {cfg.num_slices} slice(s) "
+            f"(dcn_data_parallelism={cfg.dcn_data_parallelism} x "
+            f"dcn_pipeline_parallelism={cfg.dcn_pipeline_parallelism})"
+        )
+    from parity.tpu import topologies  # no JAX
+
+    return topologies.Target(
+        topologies.check(FLAGS.topology, num_slices, cfg.num_devices), num_slices
+    )
+
+
 def run(argv: Sequence[str]) -> int:
     """The command body; returns the exit status. Bad input anywhere gives a one-line message
     and EXIT_USAGE; other exceptions reach `cli_support.guarded` (in `main`)."""
@@ -263,12 +306,15 @@ def _run(argv: Sequence[str]) -> int:
         cfg, FLAGS.num_processes, FLAGS.process_id, FLAGS.coordinator_address
     )
     processes = FLAGS.num_processes
+    target = _topology_target(cfg, selected, environments is not None or processes > 1)
     _check_work(cfg, selected)
     reports = FLAGS.process_id in (None, 0)  # only process 0 writes reports
     outputs = _outputs(cfg.model_name) if reports else None  # creates missing report folders
     if FLAGS.dry_run:
+        on = f"; compile for {target.describe()}" if target is not None else ""
         print(
-            f"{plan(cfg, selected, FLAGS.num_processes)}; memory {memory.estimate(cfg).describe()}"
+            f"{plan(cfg, selected, FLAGS.num_processes)}{on}; "
+            f"memory {memory.estimate(cfg).describe()}"
         )
         return EXIT_PASS
     if processes > 1 and FLAGS.process_id is None:
@@ -300,6 +346,7 @@ def _run(argv: Sequence[str]) -> int:
         progress(f"sides in workers: {pair.workers.describe(environments)}")
     else:
         pair = DecoderPair(cfg)
+        pair.topology = target
     if stored is not None:
         from migrate.checkpoints import checkpoint_io, train_state
 

@@ -24,6 +24,8 @@ os.environ.setdefault(
     str(Path(__file__).resolve().parent.parent / ".jax_cache"),
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# The CPU, also where libtpu is installed (the TPU tests compile for its compile-only devices).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A size limit turns on JAX's file lock around every cache read and write: the pytest-xdist
 # workers and the CLI subprocesses share the cache, and an unlocked reader can see a half-written
 # entry. (The whole suite's cache is about 50 MB.)

@@ -23,6 +23,9 @@ def ensure_simulated_devices(count: int) -> None:
     is imported. More than `MAX_SIMULATED_DEVICES` is refused (before JAX starts)."""
     if "jax" in sys.modules:
         return
+    # With libtpu installed (`--topology`), JAX would otherwise try a TPU backend first and
+    # log that this host has none; TPU programs are compiled for compile-only devices.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     flags_now = os.environ.get("XLA_FLAGS", "")
     found = _COUNT_FLAG.search(flags_now)
     if found and int(found.group(1)) >= count:

@@ -58,6 +58,9 @@ _CALLED = re.compile(
     r"true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)"
 )
 TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
+_INT_CONSTANT = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*s32\[\]\S*\s+constant\((\d+)\)")
+_BOUND = re.compile(r"^\s*ROOT\s.*\bcompare\(%?([\w.\-]+),\s*%?([\w.\-]+)\),\s*direction=LT")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _EXPLICIT = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
@@ -206,6 +209,16 @@ def _called(line: str) -> list[str]:
     return [n for m in _CALLED.finditer(line) for n in re.findall(r"[\w.\-]+", m.group(1))]
 
 
+def _condition_bound(condition: list[str]) -> int | None:
+    """The trip count a loop condition states as `counter < constant` (XLA:TPU's optimised
+    loops carry no `known_trip_count`; a scan's counter starts at 0 and steps by 1)."""
+    constants = {m[1]: int(m[2]) for line in condition if (m := _INT_CONSTANT.match(line))}
+    for line in condition:
+        if m := _BOUND.match(line):
+            return constants.get(m[2])
+    return None
+
+
 def loops(hlo_text: str) -> list[Loop]:
     """The program's outermost while loops (for a scanned pipeline, the forward and the
     backward iteration loop), each with the collectives its body issues per iteration."""
@@ -236,6 +249,8 @@ def loops(hlo_text: str) -> list[Loop]:
     def loop_of(line: str, body: str) -> Loop:
         op_name = m.group(1) if (m := _OP_NAME.search(line)) else ""
         trip = int(m.group(1)) if (m := TRIP_COUNT.search(line)) else None
+        if trip is None and (condition := _CONDITION.search(line)):
+            trip = _condition_bound(computations.get(condition[1], []))
         direction = "backward" if "transpose(" in op_name else "forward"
         inner = tuple(loops_under(body, set()))
         return Loop(direction, trip, tuple(collectives_under(body, set())), inner)

@@ -13,6 +13,8 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+from jax.sharding import Mesh
+
 from migrate.config.contract import Config
 from parity.analysis import compare, hlo
 from parity.decoder import cost, slices
@@ -82,6 +84,14 @@ def bubbles(pair: DecoderPair) -> CheckResult:
 # train step within 1% (the twins compile to the same program today, so the measured ratios are
 # exactly 1.00; the margin only absorbs benign differences in XLA's bookkeeping).
 COST_TOLERANCE = 0.01
+# Reported, not held: how long the compile took, the traffic and code size XLA estimates, and
+# the compiler's step-time estimate (XLA:TPU's; none on the CPU).
+INFORMATIONAL_COSTS = (
+    "compile_seconds",
+    "bytes_accessed",
+    "generated_code_bytes",
+    "optimal_seconds",
+)
 # Pipeline matmul work against `(M*R + d*(S-1)) / (M*R)`. Both are exact counts (dot FLOPs read
 # off the compiled HLO), measured equal on every shipped config, mesh and dtype (docs/configs.md);
 # the margin only allows for XLA rewriting a tiny dot into elementwise code.
@@ -94,11 +104,29 @@ def compile_cost(pair: DecoderPair) -> CheckResult:
     they add up to), FLOPs, bytes accessed, collectives, compile time; NNX must not cost more
     than Linen beyond COST_TOLERANCE, must alias as much, and must issue the same
     collectives."""
+    if getattr(pair, "topology", None) is not None:  # `--topology`: XLA:TPU's programs
+        from parity.tpu import check as tpu_check
+
+        return tpu_check.compile_on_topology(pair.cfg, pair.topology)
     cfg, mesh = pair.cfg, pair.mesh
     linen_cost, nnx_cost = (
         cost.compile_train_step(cfg, mesh, f, pair.train_step_lowered(f)) for f in ("linen", "nnx")
     )
+    return cost_result(cfg, mesh, linen_cost, nnx_cost)
+
+
+def cost_result(
+    cfg: Config,
+    mesh: Mesh,
+    linen_cost: cost.CompiledCost,
+    nnx_cost: cost.CompiledCost,
+    leading: tuple[dict, ...] = (),
+    lead: str = "per device",
+) -> CheckResult:
+    """The `compile` verdict on two compiled train steps (`compile_cost`'s; on a TPU slice,
+    `parity.tpu.check`'s, which puts its HBM records first: `leading`, gated like the rest)."""
     records, loop_summary = loop_body_records(cfg, dict(mesh.shape), linen_cost, nnx_cost)
+    records = [*leading, *records]
     for field in (
         "temp_bytes",
         "flops",
@@ -109,10 +137,11 @@ def compile_cost(pair: DecoderPair) -> CheckResult:
         "bytes_accessed",
         "generated_code_bytes",
         "compile_seconds",
+        "optimal_seconds",
     ):
         linen_value, nnx_value = getattr(linen_cost, field), getattr(nnx_cost, field)
         ratio = nnx_value / linen_value if linen_value else (1.0 if not nnx_value else math.inf)
-        gated = field not in ("compile_seconds", "bytes_accessed", "generated_code_bytes")
+        gated = field not in INFORMATIONAL_COSTS
         # More aliasing is not a cost, but a difference either way means the twins donate
         # differently: alias_bytes is held both ways.
         excess = abs(ratio - 1.0) if field == "alias_bytes" else max(ratio - 1.0, 0.0)
@@ -177,7 +206,7 @@ def compile_cost(pair: DecoderPair) -> CheckResult:
         tolerance=COST_TOLERANCE,
         where=worst["tensor"],
         details=tuple(records),
-        message=f"per device: {per_device}",
+        message=f"{lead}: {per_device}",
     )
 
 

@@ -51,6 +51,9 @@ class CompiledCost:
     compile_source: str = ""
     # the reshards the SPMD partitioner could not express (it replicated the tensor instead)
     remats: tuple[compiles.Remat, ...] = ()
+    # the compiler's estimate of one step's seconds (XLA:TPU's `optimal_seconds`; 0 where the
+    # backend gives none, as XLA:CPU)
+    optimal_seconds: float = 0.0
 
     @classmethod
     def of(
@@ -79,6 +82,7 @@ class CompiledCost:
             outside_loops=tuple(hlo.outside_loops(text)),
             compile_source=compile_source or f"compiled in {compile_seconds:.1f}s",
             remats=remats,
+            optimal_seconds=float(cost.get("optimal_seconds", 0.0)),
         )
 
 

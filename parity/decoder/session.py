@@ -35,6 +35,8 @@ class DecoderPair(Pair):
 
     output_name = "logits"
     program_name = "train step"
+    # `--topology`: the slice the `compile` check compiles for (`parity.tpu.topologies.Target`)
+    topology = None
 
     def __init__(self, cfg: Config, bubble_fill: float = 0.0) -> None:
         self.cfg = cfg

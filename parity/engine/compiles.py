@@ -237,10 +237,11 @@ def parse_remats(text: str) -> tuple[Remat, ...]:
 
 
 @contextlib.contextmanager
-def compiler_output() -> Iterator[list[str]]:
+def compiler_output(noise: re.Pattern | None = None) -> Iterator[list[str]]:
     """Capture what the compiler writes to stderr (file descriptor 2) in the block: the
-    partitioner's warnings are kept (echoed only with ECHO_PARTITIONER_WARNINGS), every other
-    line is passed on to stderr when the block ends."""
+    partitioner's warnings are kept (echoed only with ECHO_PARTITIONER_WARNINGS), lines that
+    match `noise` are kept and never echoed, every other line is passed on to stderr when the
+    block ends."""
     captured: list[str] = []
     sys.stderr.flush()
     saved = os.dup(2)
@@ -255,7 +256,10 @@ def compiler_output() -> Iterator[list[str]]:
             sink.seek(0)
             captured += sink.read().decode("utf-8", "replace").splitlines()
     passed_on = [
-        line for line in captured if ECHO_PARTITIONER_WARNINGS[0] or not _REMAT.search(line)
+        line
+        for line in captured
+        if (ECHO_PARTITIONER_WARNINGS[0] or not _REMAT.search(line))
+        and not (noise is not None and noise.search(line))
     ]
     if passed_on:
         print("\n".join(passed_on), file=sys.stderr, flush=True)
