@@ -19,8 +19,11 @@ CONFIG ?= configs/llama2-tiny.yml
 # tests marked `compat`: README, Stacks). LAYER= runs the whole suite there too.
 ifeq ($(PYVER),3.12)
 LAYER ?=
+# libtpu (~640 MB) for the TPU compile tests (tests/test_tpu.py), which run on this stack only.
+EXTRAS ?= test,plot,tpu
 else
 LAYER ?= -m compat
+EXTRAS ?= test,plot
 endif
 
 .PHONY: install test test-fast parity lint clean maxtext-envs
@@ -42,7 +45,7 @@ maxtext-envs:
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || "$$(.ci/find-python $(PYTHON))" -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile -c $(CONSTRAINTS) -e '.[test,plot]'
+	$(PY) -m pip install --quiet --no-compile -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
 	@# Byte-compiled once, in parallel (~15 s): where PYTHONDONTWRITEBYTECODE is set no import
 	@# ever writes a .pyc, and every Python process the suite starts (CLI runs, workers) would
 	@# compile jax, flax and the rest again (~3 s each). Files a package ships that do not

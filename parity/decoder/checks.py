@@ -104,11 +104,17 @@ def compile_cost(pair: DecoderPair) -> CheckResult:
     they add up to), FLOPs, bytes accessed, collectives, compile time; NNX must not cost more
     than Linen beyond COST_TOLERANCE, must alias as much, and must issue the same
     collectives."""
+    cfg, mesh = pair.cfg, pair.mesh
     if getattr(pair, "topology", None) is not None:  # `--topology`: XLA:TPU's programs
         from parity.tpu import check as tpu_check
 
-        return tpu_check.compile_on_topology(pair.cfg, pair.topology)
-    cfg, mesh = pair.cfg, pair.mesh
+        on_slice = tpu_check.compile_on_slice(cfg, pair.topology)
+        if on_slice.refused:
+            return tpu_check.overflow_result(on_slice.target, on_slice.compiled)
+        linen_cost, nnx_cost = (on_slice.compiled[f] for f in ("linen", "nnx"))
+        return cost_result(
+            cfg, on_slice.mesh, linen_cost, nnx_cost, on_slice.fit_records(), on_slice.lead()
+        )
     linen_cost, nnx_cost = (
         cost.compile_train_step(cfg, mesh, f, pair.train_step_lowered(f)) for f in ("linen", "nnx")
     )

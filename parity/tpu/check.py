@@ -8,11 +8,14 @@ own words; both refused is a config that does not fit the slice.
 
 from __future__ import annotations
 
+import dataclasses
+
+from jax.sharding import Mesh
+
 from migrate.config.contract import Config
-from parity.decoder.checks import cost_result
 from parity.decoder.cost import CompiledCost
 from parity.engine.result import CheckResult, human_bytes
-from parity.tpu import devices, train_step
+from parity.tpu import compile_devices, train_step
 from parity.tpu.topologies import Target
 from parity.tpu.train_step import Overflow
 
@@ -90,18 +93,36 @@ def overflow_result(target: Target, compiled: dict[str, CompiledCost | Overflow]
     )
 
 
-def compile_on_topology(cfg: Config, target: Target) -> CheckResult:
-    """Both twins' train steps compiled for `target`, judged against each other and the chip."""
-    mesh, layout = devices.make_mesh(cfg, target.topology, target.num_slices)
-    compiled = {f: train_step.compile_step(cfg, mesh, f) for f in SIDES}
-    if any(isinstance(c, Overflow) for c in compiled.values()):
-        return overflow_result(target, compiled)
-    usable = target.topology.usable_hbm_per_device
-    fits = [hbm_record(f, compiled[f], usable) for f in SIDES]
-    lead = (
-        f"XLA:TPU on {target.describe()}, mesh laid on the {layout}; "
-        f"{human_bytes(usable)} HBM usable per device: "
-        + ", ".join(_fit_line(f, compiled[f], usable) for f in SIDES)
-        + "; per device"
-    )
-    return cost_result(cfg, mesh, compiled["linen"], compiled["nnx"], tuple(fits), lead)
+@dataclasses.dataclass(frozen=True)
+class OnSlice:
+    """Both twins' train steps compiled for a slice: each a cost, or the compiler's refusal."""
+
+    target: Target
+    mesh: Mesh
+    layout: str  # how the mesh was laid on the slice's devices
+    compiled: dict[str, CompiledCost | Overflow]
+
+    @property
+    def refused(self) -> bool:
+        return any(isinstance(c, Overflow) for c in self.compiled.values())
+
+    def fit_records(self) -> tuple[dict, ...]:
+        usable = self.target.topology.usable_hbm_per_device
+        return tuple(hbm_record(f, self.compiled[f], usable) for f in SIDES)
+
+    def lead(self) -> str:
+        """The verdict's opening: the slice, how the mesh lies on it, each side against HBM."""
+        usable = self.target.topology.usable_hbm_per_device
+        return (
+            f"XLA:TPU on {self.target.describe()}, mesh laid on the {self.layout}; "
+            f"{human_bytes(usable)} HBM usable per device: "
+            + ", ".join(_fit_line(f, self.compiled[f], usable) for f in SIDES)
+            + "; per device"
+        )
+
+
+def compile_on_slice(cfg: Config, target: Target) -> OnSlice:
+    """Both twins' train steps compiled for `target` (the `compile` check's verdict on them is
+    `parity.decoder.checks.cost_result`, or `overflow_result` where the compiler refused one)."""
+    mesh, layout = compile_devices.make_mesh(cfg, target.topology, target.num_slices)
+    return OnSlice(target, mesh, layout, {f: train_step.compile_step(cfg, mesh, f) for f in SIDES})

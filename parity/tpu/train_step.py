@@ -15,13 +15,16 @@ from jax.sharding import Mesh
 from migrate.config.contract import Config
 from parity.decoder import cost, twins
 from parity.engine import compiles
-from parity.tpu.devices import LIBTPU_NOISE
+from parity.tpu.compile_devices import LIBTPU_NOISE
 
 # XLA:TPU's refusal: "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM,
 # the total memory required for HLO temporaries (352.00G) exceeds available HBM (95.73G)".
 _OVERFLOW = re.compile(r"RESOURCE_EXHAUSTED|HbmOom|Ran out of memory")
+# or, after its memory-pressure rematerialisation: "Ran out of memory in memory space hbm. Used
+# 15.75G of 15.75G hbm. Exceeded hbm capacity by 1.15M."
 _REQUIRED = re.compile(r"required for ([^(]*?)\s*\(([\d.]+[KMGT]?)\)")
 _AVAILABLE = re.compile(r"available HBM \(([\d.]+[KMGT]?)\)")
+_EXCEEDED = re.compile(r"of ([\d.]+[KMGT]?) hbm\. Exceeded hbm capacity by ([\d.]+[KMGT]?)")
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
@@ -43,6 +46,9 @@ class Overflow:
     def of(cls, framework: str, error: Exception) -> Overflow:
         text = str(error).strip()
         first = text.splitlines()[0] if text else type(error).__name__
+        if exceeded := _EXCEEDED.search(text):
+            capacity = _size(exceeded[1])
+            return cls(framework, first, "the program", capacity + _size(exceeded[2]), capacity)
         required, available = _REQUIRED.search(text), _AVAILABLE.search(text)
         return cls(
             framework,

@@ -1,0 +1,274 @@
+"""The `compile` check on TPU slices (`--topology`): names as MaxText's, input refused before
+JAX, both twins compiled by XLA:TPU on small slices (two runs at once), a seeded memory
+regression found at its place, and a train step the chip's HBM cannot hold reported as a
+finding naming its side."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec
+from test_cli import REPO, parity_command
+
+import migrate.nnx.pipeline as nnx_pipeline
+import migrate.nnx.train as nnx_train
+from migrate.common import axes
+from parity import cli
+from parity.decoder import twins
+from parity.tpu import topologies
+
+needs_libtpu = pytest.mark.skipif(
+    topologies.libtpu_problem() is not None,
+    reason=f"no TPU compiler here: {topologies.libtpu_problem()}",
+)
+# One-sided overflow: the NNX train step not donating its state (a second train state resident)
+# on v5e-8, with a table large enough that Linen needs 14.60 GB of the 15.75 GB one device may
+# use and NNX exceeds it (measured with libtpu 0.0.50.1; pinned in constraints/py312.txt).
+EDGE_OF_V5E = ("vocab_size=2000000", "base_emb_dim=384")
+# Both sides overflow: HLO temporaries of 41.98 GB per device against 15.75 GB.
+BEYOND_V5E = ("vocab_size=2000000", "base_emb_dim=2048")
+
+
+def run_cli(tmp_path: Path, *args: str) -> tuple[int, dict]:
+    """The CLI in-process (monkeypatches apply), with its JSON report."""
+    report = tmp_path / "report.json"
+    argv = cli.FLAGS(["parity", *args, f"--json={report}"])
+    try:
+        status = cli.run(argv)
+    finally:
+        cli.FLAGS.unparse_flags()
+    return status, json.loads(report.read_text()) if report.exists() else {}
+
+
+def compile_check(report: dict) -> dict:
+    (check,) = [c for c in report["checks"] if c["name"] == "compile"]
+    return check
+
+
+# ------------------------------------------------------------------ names and bad input
+
+
+def maxtext_table() -> dict[str, tuple]:
+    """MaxText 0.2.5's `compile_topology` table, read as text from its environment."""
+    found = sorted(
+        REPO.glob(
+            ".venv-maxtext-0.2.5/lib/python*/site-packages/maxtext/utils/accelerator_to_spec_map.py"
+        )
+    )
+    if not found:
+        pytest.skip("MaxText 0.2.5's environment is not built (make maxtext-envs)")
+    row = re.compile(
+        r'"([\w-]+)": SystemCharacteristics\(\s*"tpu", "([\w:x]+)", "(\w+)", '
+        r"\((\d+), (\d+), (\d+)\), (\d+), \((\w+), (\w+), (\w+)\)"
+    )
+    table = {}
+    for m in row.finditer(found[0].read_text()):
+        wrap = tuple(v == "True" for v in m.groups()[7:10])
+        bounds = tuple(int(v) for v in m.groups()[3:6])
+        table[m[1]] = (m[2], m[3], bounds, int(m[7]), wrap)
+    return table
+
+
+def test_every_topology_known_here_is_maxtexts():
+    table = maxtext_table()
+    for name in topologies.known_names():
+        t = topologies.parse(name)
+        ours = (
+            t.libtpu_name,
+            t.generation.chip_config,
+            topologies.HOST_BOUNDS,
+            t.devices_per_slice,
+            t.wrap,
+        )
+        assert table[name] == ours, name
+    assert {"v5p-16", "v5e-8", "v5p-8", "v5p-64", "tpu7x-16"} <= set(topologies.known_names())
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--topology=v5p-12",), "not a TPU topology known here; known: v4-8..v4-4096"),
+        (("--topology=v5p-16", "ici_fsdp_parallelism=1"), "has 8 devices but the config's mesh"),
+        (("--topology=v5e-8", "--num_slices=2"), "spans 1 slice(s)"),
+        (("--num_slices=2",), "--num_slices: only with --topology"),
+        (("--topology=v5e-8", "--checks=init"), "add --checks=compile"),
+        (("--topology=v5e-8", "--num_processes=2"), "runs in this process"),
+    ],
+)
+def test_bad_topology_input_is_refused_before_jax_work(args, message, capsys):
+    argv = cli.FLAGS(["parity", "llama2-tiny", *args])
+    if not any(a.startswith("--checks") for a in args):
+        argv = cli.FLAGS(["parity", "llama2-tiny", "--checks=compile", *args])
+    try:
+        status = cli.run(argv)
+    finally:
+        cli.FLAGS.unparse_flags()
+    assert status == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("installed", [None, "0.0.1"])
+def test_libtpu_missing_or_not_jaxs_names_the_install_command(installed, monkeypatch, capsys):
+    real = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name == "libtpu":
+            if installed is None:
+                raise importlib.metadata.PackageNotFoundError(name)
+            return installed
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    argv = cli.FLAGS(["parity", "llama2-tiny", "--checks=compile", "--topology=v5e-8"])
+    try:
+        assert cli.run(argv) == 2
+    finally:
+        cli.FLAGS.unparse_flags()
+    err = capsys.readouterr().err
+    assert f"pip install 'jax[tpu]=={real('jax')}'" in err
+    assert ("not installed" if installed is None else "libtpu 0.0.1 is installed") in err
+
+
+def test_a_cpu_run_meets_no_tpu_backend():
+    """With libtpu installed, a run that asks for no topology stays on the CPU, silently."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    code = (
+        "from migrate.runtime.devices import ensure_simulated_devices\n"
+        "ensure_simulated_devices(8)\n"
+        "import jax\n"
+        "print(jax.default_backend(), len(jax.devices()))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["cpu", "8"]
+    assert "TPU" not in done.stderr
+
+
+# ------------------------------------------------------------------ compiled for TPU slices
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_twins_on_two_slices_at_once(tmp_path):
+    """v5e-8 (8 chips, the default mesh) and v5p-8 (4 chips: stage 4 x fsdp 1), compiled by
+    two runs at the same time: libtpu's process lock does not stop the second."""
+    runs = {
+        "v5e-8": ("llama2-tiny",),
+        "v5p-8": ("llama2-tiny", "ici_fsdp_parallelism=1"),
+    }
+    started = {
+        name: subprocess.Popen(
+            [
+                *parity_command(),
+                *args,
+                "--checks=compile",
+                f"--topology={name}",
+                f"--json={tmp_path / name}.json",
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, args in runs.items()
+    }
+    for name, process in started.items():
+        _, err = process.communicate(timeout=600)
+        assert process.returncode == 0, err[-3000:]
+        assert "lockfile" not in err and "TPU_WORKER_HOSTNAMES" not in err
+        check = compile_check(json.loads((tmp_path / f"{name}.json").read_text()))
+        usable = topologies.parse(name).usable_hbm_per_device
+        hbm = {r["tensor"]: r for r in check["details"] if r["tensor"].startswith("HBM")}
+        assert set(hbm) == {"HBM (linen)", "HBM (nnx)"}
+        for side in ("linen", "nnx"):
+            assert hbm[f"HBM ({side})"]["hbm_bytes"] == usable
+            assert 0 < hbm[f"HBM ({side})"][side] < usable
+        loops = [r for r in check["details"] if r["tensor"].startswith("loop body")]
+        assert loops and all(r["passed"] for r in loops), loops
+        assert f"XLA:TPU on {name}" in check["message"]
+        assert "same optimised program" in check["message"]
+
+
+@pytest.fixture
+def fresh_nnx():
+    twins.clear_nnx_caches()
+    yield
+    twins.clear_nnx_caches()
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_a_memory_regression_is_found_at_its_place(tmp_path, monkeypatch, fresh_nnx):
+    """The NNX pipeline saves every iteration's stage weights for the backward pass (a scan
+    that stacks read-only parameters into its residuals, as a real NNX port did): every value
+    the same, more HBM per device."""
+    run_stages = nnx_pipeline.Pipeline.run_stages
+
+    def stacking(self, graphdef, weights, *args):
+        saved = jax.tree.map(lambda w: checkpoint_name(w * 1, axes.ITERATION_INPUT), weights)
+        return run_stages(self, graphdef, saved, *args)
+
+    monkeypatch.setattr(nnx_pipeline.Pipeline, "run_stages", stacking)
+    status, report = run_cli(tmp_path, "llama2-tiny", "--checks=compile", "--topology=v5e-8")
+    assert status == 1
+    check = compile_check(report)
+    assert check["worst"]["where"] == "temp_bytes"
+    temp = next(r for r in check["details"] if r["tensor"] == "temp_bytes")
+    assert temp["nnx"] > temp["linen"] * 1.01
+
+
+def not_donated(monkeypatch):
+    def jit_train_step(step, state_shardings, batch_sharding):
+        params, opt_state = state_shardings
+        replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
+        return jax.jit(
+            step,
+            in_shardings=(params, opt_state, batch_sharding),
+            out_shardings=(params, opt_state, replicated),
+        )
+
+    monkeypatch.setattr(nnx_train, "jit_train_step", jit_train_step)
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_a_side_that_does_not_fit_the_chip_is_named(tmp_path, monkeypatch, fresh_nnx):
+    not_donated(monkeypatch)
+    status, report = run_cli(
+        tmp_path, "llama2-tiny", *EDGE_OF_V5E, "--checks=compile", "--topology=v5e-8"
+    )
+    assert status == 1
+    check = compile_check(report)
+    assert check["worst"]["where"] == "HBM (nnx)"
+    assert "nnx's train step does not fit one device of v5e-8" in check["message"]
+    assert "where linen's does" in check["message"]
+    assert "RESOURCE_EXHAUSTED" in check["message"]  # the compiler's own words
+    records = {r["tensor"]: r for r in check["details"]}
+    assert records["HBM (linen)"]["passed"] and not records["HBM (nnx)"]["passed"]
+    assert records["HBM (nnx)"]["nnx"] > records["HBM (nnx)"]["hbm_bytes"]
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_a_config_beyond_the_slice_is_reported_with_both_sides(tmp_path):
+    status, report = run_cli(
+        tmp_path, "llama2-tiny", *BEYOND_V5E, "--checks=compile", "--topology=v5e-8"
+    )
+    assert status == 1
+    check = compile_check(report)
+    assert check["worst"]["where"] == "HBM (both sides)"
+    assert check["message"].startswith("neither side's train step fits one device of v5e-8")
+    for side in ("linen", "nnx"):
+        record = next(r for r in check["details"] if r["tensor"] == f"HBM ({side})")
+        assert record[side] > record["hbm_bytes"] and "HLO temporaries" in record["what"]
