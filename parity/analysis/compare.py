@@ -109,6 +109,18 @@ def path_str(path: Iterable[Any]) -> str:
     return "/".join(parts)
 
 
+def empty(leaf: Any) -> bool:
+    """A leaf of zero elements (a stack of no layers): it has a shape and a dtype, no value."""
+    return getattr(leaf, "size", np.size(leaf)) == 0
+
+
+def one_sided_empty_note(side: str) -> str:
+    """What a zero-element leaf on one side only is: a note, not a difference (deepseek's
+    `dense_layers` with `first_num_dense_layers: 0`: MaxText 0.2.3 builds them with no layer,
+    0.2.5 builds none)."""
+    return f"zero elements, on the {side} side only: no value to compare"
+
+
 class TreeMismatch(ValueError):
     """The twins' trees differ in structure or shape: a parity failure, not a crash."""
 

@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from migrate.checkpoints import convert
-from parity.analysis import initstats
+from parity.analysis import compare, initstats
 from parity.multiprocess import distributed
 
 METRIC = "stat/bound"
@@ -36,14 +36,17 @@ def init_records(linen_params: Any, nnx_params: Any) -> list[dict]:
         where = "/".join(path)
         if path not in linen_arrays or path not in nnx_arrays:
             side = "NNX" if path not in nnx_arrays else "Linen"
-            records.append(
-                _fact(
-                    f"{where}: present",
-                    False,
-                    "yes" if side == "NNX" else "no",
-                    "no" if side == "NNX" else "yes",
-                )
+            leaf = (linen_arrays if path in linen_arrays else nnx_arrays)[path]
+            record = _fact(
+                f"{where}: present",
+                compare.empty(leaf),  # zero elements: a note, not a difference
+                "yes" if side == "NNX" else "no",
+                "no" if side == "NNX" else "yes",
             )
+            if compare.empty(leaf):
+                owner = "Linen" if path in linen_arrays else "NNX"
+                record["note"] = compare.one_sided_empty_note(owner)
+            records.append(record)
             continue
         linen, nnx = linen_arrays[path], nnx_arrays[path]
         records.append(

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 
 from migrate.checkpoints import convert
 from migrate.common import sharding as sharding_lib
-from parity.analysis import hlo, hlo_diff
+from parity.analysis import compare, hlo, hlo_diff
 from parity.engine.compiles import comparing
 from parity.engine.pair import SOURCES, Pair
 from parity.engine.result import CheckResult, fact_record, facts_verdict
@@ -70,7 +70,12 @@ def parameter_records(pair: Pair) -> list[dict]:
         if path not in linen_arrays or path not in nnx_arrays:
             linen = linen_names.get(path) if path in linen_arrays else "missing"
             nnx = nnx_names.get(path) if path in nnx_arrays else "missing"
-            records.append(fact_record(f"{where}: names", False, linen, nnx))
+            owner = "Linen" if path in linen_arrays else "NNX"
+            empty = compare.empty((linen_arrays if owner == "Linen" else nnx_arrays)[path])
+            record = fact_record(f"{where}: names", empty, linen, nnx)
+            if empty:  # a stack of no layers: nothing to place
+                record["note"] = compare.one_sided_empty_note(owner)
+            records.append(record)
             continue
         linen, nnx = linen_names[path], nnx_names[path]
         both = linen is not None and nnx is not None
@@ -127,14 +132,34 @@ def parameter_records(pair: Pair) -> list[dict]:
     return records
 
 
+def _one_sided_empty_parameters(pair: Pair) -> set[tuple[str, ...]]:
+    """The common paths of the parameters of zero elements that one side alone has."""
+    flat = [_flat_params(pair, f)[0] for f in SOURCES]
+    return {
+        ("params", *p)
+        for a, b in (flat, flat[::-1])
+        for p, x in a.items()
+        if p not in b and compare.empty(x)
+    }
+
+
 def compiled_sharding_records(pair: Pair) -> list[dict]:
     """Per input and output array of the two compiled programs, matched by label: the two
     sides' shardings must agree, and each must be what its side declares it pinned to."""
     leaves = {f: pair.side(f).program_shardings(pair.compiled(f)) for f in SOURCES}
-    records = []
+    records, empty = [], None
     for label in [*leaves["linen"], *(k for k in leaves["nnx"] if k not in leaves["linen"])]:
         linen, ndim, linen_decl = leaves["linen"].get(label, (None, 0, None))
         nnx, _, nnx_decl = leaves["nnx"].get(label, (None, 0, None))
+        owner = "NNX" if linen is None else "Linen" if nnx is None else None
+        # a parameter (or its gradient) of zero elements that one side alone has
+        if owner and empty is None:
+            empty = _one_sided_empty_parameters(pair)
+        if owner and tuple(label.partition(": ")[2].split("/")[1:]) in (empty or ()):
+            record = fact_record(label, True, _shown(linen), _shown(nnx))
+            record["note"] = compare.one_sided_empty_note(owner)
+            records.append(record)
+            continue
         passed = _equivalent(linen, nnx, ndim)
         if linen_decl is not None or nnx_decl is not None:
             passed = (

@@ -183,11 +183,26 @@ def one_sided_record(tensor: str, note: str) -> dict:
     }
 
 
+def empty_record(tensor: str, note: str) -> dict:
+    """A zero-element leaf on one side only: passed, with the note that says so."""
+    return {
+        "tensor": tensor,
+        "max_abs": 0.0,
+        "max_rel": 0.0,
+        "ulp_at_scale": 0.0,
+        "mismatches": 0,
+        "nonfinite": 0,
+        "passed": True,
+        "note": note,
+    }
+
+
 @compare_timed
 def keyed_records(prefix: str, nnx: Any, linen: Any, tol: compare.Tolerance) -> list[dict]:
     """Records for two trees matched leaf by leaf on their paths (NNX against Linen), in
     Linen's order: a leaf on one side only, or of another shape or dtype, is a failed record
-    that says which; two trees of the same structure and dtypes give exactly `tree_records`'."""
+    that says which (a zero-element leaf on one side only: a passed one with a note); two
+    trees of the same structure and dtypes give exactly `tree_records`'."""
     flat_nnx = {compare.path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(nnx)[0]}
     flat_linen = {compare.path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(linen)[0]}
     records = []
@@ -195,7 +210,11 @@ def keyed_records(prefix: str, nnx: Any, linen: Any, tol: compare.Tolerance) -> 
         tensor = f"{prefix}/{path}" if path else prefix
         if path not in flat_nnx or path not in flat_linen:
             side = "Linen" if path in flat_linen else "NNX"
-            records.append(one_sided_record(tensor, f"on the {side} side only"))
+            leaf = (flat_linen if path in flat_linen else flat_nnx)[path]
+            if compare.empty(leaf):
+                records.append(empty_record(tensor, compare.one_sided_empty_note(side)))
+            else:
+                records.append(one_sided_record(tensor, f"on the {side} side only"))
             continue
         nnx_host, linen_host = (
             np.asarray(distributed.to_host(flat[path])) for flat in (flat_nnx, flat_linen)

@@ -207,14 +207,20 @@ class MaxTextSide:
     def from_common(self, variables: dict[str, Any]) -> Any:
         """The common form as this release's weights: every path, shape and dtype of its own
         tree (else `ConversionError`), each array placed as its own initialisation's; the
-        logical names stay this release's (the `sharding` check compares them)."""
+        logical names stay this release's (the `sharding` check compares them). A leaf of
+        zero elements holds no value: one this release lacks is left out (0.2.3 builds
+        deepseek's `dense_layers` with no layer, 0.2.5 builds none), one it has and `variables`
+        lack is its own; present in both, it is held to its shape and dtype like any other."""
         import flax.linen as nn
         import jax
+        import numpy as np
         from flax import nnx
 
         own = self.to_common(self.own_weights())
         own_flat = _flat(nn.meta.unbox(own))
         given = _flat(nn.meta.unbox(variables))
+        given = {p: x for p, x in given.items() if p in own_flat or np.size(x)}
+        given |= {p: x for p, x in own_flat.items() if p not in given and not np.size(x)}
         problems = [f"missing: {'/'.join(p)}" for p in own_flat if p not in given]
         problems += [
             f"not in this release's tree: {'/'.join(p)}" for p in given if p not in own_flat
