@@ -1,0 +1,98 @@
+"""MaxText's decoder families through the gate (`configs/maxtext/FAMILY.yml`): the release map
+by the kind of parameter (gemma2's two attentions, deepseek's and llama4's routers), a stack of
+zero layers on one release only (deepseek's `dense_layers` in 0.2.3) a note, not a failure.
+The fast tests hold the comparisons to that rule on host arrays; the slow ones run the gate on
+a family with few checks each (CI time), and in full on the families that hold every check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_maxtext import gate, needs_envs
+
+from parity.analysis import compare, init_check
+from parity.engine import result
+
+EMPTY = np.zeros((64, 0, 128), np.float32)  # one release's stack of no dense layer
+
+
+def test_a_zero_element_leaf_on_one_side_only_is_a_note_and_one_on_both_is_a_leaf():
+    linen = {"decoder": {"dense_layers": {"wo": EMPTY}, "norm": np.ones(4, np.float32)}}
+    nnx = {"decoder": {"norm": np.ones(4, np.float32)}}
+    records = result.keyed_records("grads", nnx, linen, compare.EXACT)
+    empty = next(r for r in records if "dense_layers" in r["tensor"])
+    assert empty["passed"] and empty["note"] == compare.one_sided_empty_note("Linen")
+    assert all(r["passed"] for r in records)
+    # present on both sides, a zero-element leaf is compared as a leaf: its shape and dtype
+    other = {"decoder": {"dense_layers": {"wo": np.zeros((64, 0, 64), np.float32)}}}
+    (shape,) = result.keyed_records(
+        "grads", other, {"decoder": {"dense_layers": {"wo": EMPTY}}}, compare.EXACT
+    )
+    assert not shape["passed"] and "shape" in shape["note"]
+    typed = {"decoder": {"dense_layers": {"wo": EMPTY.astype(np.float16)}}}
+    (dtype,) = result.keyed_records(
+        "grads", typed, {"decoder": {"dense_layers": {"wo": EMPTY}}}, compare.EXACT
+    )
+    assert not dtype["passed"] and "dtype" in dtype["note"]
+    # a leaf with elements on one side only still fails
+    (one,) = result.keyed_records("grads", {}, {"w": np.ones(2, np.float32)}, compare.EXACT)
+    assert not one["passed"] and one["note"] == "on the Linen side only"
+
+
+def test_init_notes_a_zero_element_leaf_on_one_side_only():
+    linen = {"dense_layers": {"wo": EMPTY}, "w": np.ones(2, np.float32)}
+    nnx = {"w": np.ones(2, np.float32), "extra": np.ones(2, np.float32)}
+    records = {r["tensor"]: r for r in init_check.init_records(linen, nnx)}
+    assert records["dense_layers/wo: present"]["passed"]
+    assert records["dense_layers/wo: present"]["note"] == compare.one_sided_empty_note("Linen")
+    assert not records["extra: present"]["passed"]
+
+
+def _checks(report: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in report["checks"]}
+
+
+@needs_envs
+@pytest.mark.slow
+def test_gemma2s_local_and_global_attention_carry_the_declared_rename(tmp_path):
+    """The attention rename declared by kind reaches `self_attention_local` and
+    `self_attention_global`: the weights cross both ways bit-exact and each release's own
+    initialisation agrees in names."""
+    status, report, err = gate(tmp_path, "gemma2.yml", "--checks=roundtrip,init")
+    assert status == 0, err[-3000:]
+    init = _checks(report)["init"]
+    names = {r["tensor"]: r for r in init["details"] if r["tensor"].endswith(": names")}
+    local = "decoder/pipeline_module/layers/self_attention_local/key/kernel: names"
+    assert names[local]["passed"] and "'embed'" in names[local]["linen"]
+
+
+@needs_envs
+@pytest.mark.slow
+def test_deepseeks_empty_dense_stack_is_a_note_and_its_router_rename_is_declared(tmp_path):
+    """Every layer MoE: 0.2.3 builds `dense_layers` with no layer, 0.2.5 none. The weights
+    cross, the gradients and the placements agree; each of those leaves is a passed record
+    that says so; the routers' `embed_moe` -> `embed_router` is mapped."""
+    status, report, err = gate(
+        tmp_path, "deepseekmoe.yml", "--checks=roundtrip,init,grads,sharding"
+    )
+    assert status == 0, err[-3000:]
+    checks = _checks(report)
+    note = compare.one_sided_empty_note("Linen")
+    for name in ("init", "grads", "sharding"):
+        noted = [r for r in checks[name]["details"] if "dense_layers" in r["tensor"]]
+        assert noted and all(r["passed"] and r["note"] == note for r in noted), name
+    router = "layers_0/DeepSeekMoeBlock_0/MoeBlock_0/gate/kernel: names"
+    (record,) = [r for r in checks["init"]["details"] if r["tensor"].endswith(router)]
+    assert record["passed"] and "embed_moe" in record["linen"]
+
+
+@needs_envs
+@pytest.mark.slow
+def test_qwen3s_gradient_difference_is_found_and_named(tmp_path):
+    """qwen3's releases part in one gradient (docs/maxtext.md): the gate fails there, at the
+    layer norm whose gradient 0.2.5's program shards otherwise, not anywhere else."""
+    status, report, err = gate(tmp_path, "qwen3.yml", "--checks=grads")
+    assert status == 1, err[-3000:]
+    grads = _checks(report)["grads"]
+    assert grads["worst"]["where"].endswith("layers/post_self_attention_layer_norm/scale")
+    assert 0 < grads["worst"]["value"] < 1e-6
