@@ -31,11 +31,13 @@ DEVICES = 8
 GIB = 2.0**30
 
 
-def maxtext_overrides(cfg) -> list[str]:
-    """MaxText `key=value` overrides for exactly `cfg`'s shape (its keys are MaxText's)."""
+def maxtext_overrides(cfg, topology: str | None = None) -> list[str]:
+    """MaxText `key=value` overrides for exactly `cfg`'s shape (its keys are MaxText's); for a
+    TPU slice (`topology`), MaxText's own name of it."""
     overrides = {
         "model_name": cfg.model_name,  # MaxText's llama2-7b has the same dimensions
-        "compile_topology": "a3",  # a GPU system: its devices are this process's (CPU) devices
+        # a3: a GPU system whose devices are this process's (CPU) devices
+        "compile_topology": topology or "a3",
         "compile_topology_num_slices": 1,
         "jax_cache_dir": "",  # no persistent compilation cache
         "enable_checkpointing": "false",
@@ -69,15 +71,25 @@ def maxtext_overrides(cfg) -> list[str]:
     return [f"{k}={v}" for k, v in overrides.items()]
 
 
-def our_worker(config: str, framework: str, out: str) -> None:
-    """Compile one twin's train step (in this fresh process) and write its cost as JSON."""
+def our_worker(config: str, framework: str, out: str, topology: str | None) -> None:
+    """Compile one twin's train step (in this fresh process) and write its cost as JSON: for
+    XLA:CPU's simulated devices, or XLA:TPU's for `topology` (`parity.tpu`)."""
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from migrate.common import sharding
     from migrate.config import loading as config_lib
     from parity.decoder import cost
 
     cfg = config_lib.load_config(config)
-    compiled = cost.compile_train_step(cfg, sharding.make_mesh(cfg), framework)
+    if topology:
+        from parity.tpu import compile_devices, topologies, train_step
+
+        mesh, _ = compile_devices.make_mesh(cfg, topologies.parse(topology), cfg.num_slices)
+        compiled = train_step.compile_step(cfg, mesh, framework)
+        if isinstance(compiled, train_step.Overflow):
+            raise SystemExit(f"{framework}: {compiled.message}")
+    else:
+        compiled = cost.compile_train_step(cfg, sharding.make_mesh(cfg), framework)
     fields = (
         "argument_bytes",
         "temp_bytes",
@@ -98,11 +110,13 @@ def run_side(side: str, args, cfg, scratch: Path, maxtext_python: str) -> dict:
         command = [maxtext_python, str(ROOT / "bench/maxtext/train_compile_worker.py")]
         command += ["--out", out, "--devices", str(DEVICES)]
         command += ["--no_donation"] if side == "maxtext-no-donation" else []
-        command += maxtext_overrides(cfg)
+        command += maxtext_overrides(cfg, args.topology)
         env["DECOUPLE_GCLOUD"] = "TRUE"
     else:
         command = [sys.executable, __file__, "--worker", side, "--out", out]
         command += ["--config", args.config]
+        command += ["--topology", args.topology] if args.topology else []
+    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     log = scratch / f"{side}.log"
     with log.open("w") as stream:
         code = subprocess.call(command, stdout=stream, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -122,11 +136,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--maxtext_no_donation", action="store_true")
     parser.add_argument("--maxtext_venv", default=os.environ.get("MAXTEXT_VENV"))
+    parser.add_argument(
+        "--topology", help="a TPU slice (MaxText's name, e.g. v5p-16): both sides' XLA:TPU programs"
+    )
     parser.add_argument("--worker", choices=("linen", "nnx"), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        our_worker(args.config, args.worker, args.out)
+        our_worker(args.config, args.worker, args.out, args.topology)
         return
 
     from migrate.config import loading as config_lib
@@ -146,9 +163,10 @@ def main() -> None:
                 results[side].append(run_side(side, args, cfg, Path(scratch), maxtext_python))
                 print(f"round {round_}: {side} done", file=sys.stderr, flush=True)
 
+    where = f"XLA:TPU for {args.topology}" if args.topology else f"{DEVICES} simulated CPU devices"
     print(
-        f"{cfg.model_name}: {DEVICES} simulated CPU devices, per device; compile time the "
-        f"median of {args.rounds} round(s)\n"
+        f"{cfg.model_name}: {where}, per device; compile time the median of {args.rounds} "
+        "round(s)\n"
     )
     print(
         "| side | arguments | temp | outputs | aliased | peak | FLOPs | collectives "
@@ -170,7 +188,7 @@ def main() -> None:
             f" GiB | {first['output_bytes'] / GIB:.2f} GiB | {first['alias_bytes'] / GIB:.2f} GiB"
             f" | {peak / GIB:.2f} GiB | {first['flops']:.4g} | {collectives} | {compile_s:.1f} |"
         )
-    print("\nMaxText overrides: " + " ".join(maxtext_overrides(cfg)))
+    print("\nMaxText overrides: " + " ".join(maxtext_overrides(cfg, args.topology)))
 
 
 if __name__ == "__main__":

@@ -261,6 +261,26 @@ def _topology_target(cfg: Config, selected: Sequence[str], elsewhere: bool):
     )
 
 
+def _maxtext_topology_target(config, selected: Sequence[str]):
+    """`--topology` with `--maxtext`: each release's train_compile for the slice, the only
+    check of such a run (the others run on the CPU without it); None without the flag."""
+    if FLAGS.topology is None:
+        if FLAGS.num_slices is not None:
+            raise BadInput("--num_slices: only with --topology")
+        return None
+    if list(selected) != ["compile"]:
+        raise BadInput(
+            "--topology with --maxtext: compiles each release's train step for the slice; "
+            "run it as --checks=compile (the other checks run on the CPU, without --topology)"
+        )
+    from parity.maxtext import gate_config
+    from parity.tpu import topologies  # no JAX
+
+    num_slices = FLAGS.num_slices or gate_config.num_slices(config.keys)
+    topology = topologies.check(FLAGS.topology, num_slices, config.num_devices * num_slices)
+    return topologies.Target(topology, num_slices)
+
+
 def run(argv: Sequence[str]) -> int:
     """The command body; returns the exit status. Bad input anywhere gives a one-line message
     and EXIT_USAGE; other exceptions reach `cli_support.guarded` (in `main`)."""
@@ -397,6 +417,7 @@ def _run_maxtext(positional: Sequence[str]) -> int:
     if isinstance(selected, str):
         return usage_error(selected)
     selected, skipped = gate_config.runnable(selected)  # BadInput when none can run
+    target = _maxtext_topology_target(config, selected)
     checkpoint_steps = gate_config.CHECKPOINT_STEPS
     if "checkpoint" in selected and FLAGS["steps"].present:
         if FLAGS.steps < 1:
@@ -407,11 +428,17 @@ def _run_maxtext(positional: Sequence[str]) -> int:
         checkpoint_steps = FLAGS.steps
     if skipped:
         progress(f"not with --maxtext (the twins' checks), skipped: {', '.join(skipped)}")
-    estimate = gate_memory.estimate(config)
+    estimate = gate_memory.estimate(config) if target is None else None  # nothing allocated
     if FLAGS.memory_check and estimate is not None:
         memory.check_fits(estimate, 1.0, f"--maxtext {positional[0]} (both releases' workers)")
     environments = gate_config.environments(FLAGS)
+    if target is not None:
+        gate_config.check_tpu_environments(environments)
     outputs = _outputs(config.model_name)
+    if FLAGS.dry_run and target is not None:
+        on = f"each release's train_compile for {target.describe()}"
+        print(f"{config.describe()}; checks: compile, {on}")
+        return EXIT_PASS
     if FLAGS.dry_run:
         trained = (
             f"; checkpoint after {checkpoint_steps} steps of 0.2.3's train.py"
@@ -438,9 +465,14 @@ def _run_maxtext(positional: Sequence[str]) -> int:
     from parity.reports import report
 
     compiles.use_compilation_cache(FLAGS.compilation_cache_dir)  # the workers compile through it
-    results, costs, sides = release_pair.run_gate(
-        config, environments, selected, FLAGS.steps, checkpoint_steps
-    )
+    if target is not None:
+        from parity.maxtext import tpu_gate
+
+        results, costs, sides = tpu_gate.run_on_slice(config, environments, target)
+    else:
+        results, costs, sides = release_pair.run_gate(
+            config, environments, selected, FLAGS.steps, checkpoint_steps
+        )
     report.render_table(results, config.model_name, costs=costs)
     status = max(EXIT_STATUS[r.status] for r in results)
     return max(status, outputs.write(results, config.model_name, costs, {"sides": sides}))

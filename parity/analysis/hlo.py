@@ -72,6 +72,14 @@ _MESH_GROUPS = re.compile(
 )
 
 
+_RESULT_DTYPE = re.compile(r"=\s*\(?([a-z]+\d*)\[")
+
+
+def result_dtype(line: str) -> str:
+    """The element type an instruction's line gives its result (a tuple's first element)."""
+    return m.group(1) if (m := _RESULT_DTYPE.search(line)) else ""
+
+
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One collective instruction and the devices it connects: groups of partition ids (a
@@ -81,6 +89,7 @@ class Collective:
     name: str
     groups: tuple[tuple[int, ...], ...]
     op_name: str = ""  # the JAX operation it came from (XLA's metadata)
+    dtype: str = ""  # of its result (an async start's first operand): `f32`, `u32`, ...
 
     @property
     def recomputed(self) -> bool:
@@ -240,6 +249,7 @@ def loops(hlo_text: str) -> list[Loop]:
                         instruction.group(1) if instruction else "?",
                         device_groups(line, num_devices),
                         op_name.group(1) if op_name else "",
+                        result_dtype(line),
                     )
                 )
             for called in _called(line):
@@ -294,6 +304,7 @@ def outside_loops(hlo_text: str) -> list[tuple[str, Collective]]:
                     instruction.group(1) if instruction else "?",
                     device_groups(line, num_devices),
                     op_name,
+                    result_dtype(line),
                 )
                 found.append(("backward" if "transpose(" in op_name else "forward", collective))
             for called in _called(line):

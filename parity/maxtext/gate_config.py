@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -327,3 +329,35 @@ def batch(keys: dict[str, Any], devices: int, seed: int, step: int, split: str) 
         "targets": tokens[:, 1:],
         "targets_segmentation": ones,
     }
+
+
+def num_slices(keys: dict[str, Any]) -> int:
+    """The slices a config's mesh spans: the product of its `dcn_*` axes that are set (a -1,
+    "the rest", counts as one)."""
+    return math.prod(v for k, v in keys.items() if DCN.match(k) and _is_int(v) and v > 0)
+
+
+# Run by a release's interpreter: why it cannot compile TPU programs ('' when it can).
+_LIBTPU_PROBE = (
+    "import sys; sys.path.insert(0, sys.argv[1]); "
+    "from parity.tpu.topologies import libtpu_problem; print(libtpu_problem() or '')"
+)
+
+
+def check_tpu_environments(environments: dict[str, Any]) -> None:
+    """Each release's environment can compile for a TPU (libtpu, as its jax names it), before
+    any worker starts; BadInput naming the release and the command that installs it."""
+    from parity.remote.client import project_path  # no JAX
+
+    with tempfile.TemporaryDirectory(prefix="parity-libtpu-probe-") as scratch:
+        packages = str(project_path(Path(scratch)))
+        for side, env in environments.items():
+            done = subprocess.run(
+                [env.python, "-c", _LIBTPU_PROBE, packages],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            problem = done.stdout.strip() if done.returncode == 0 else done.stderr.strip()[-300:]
+            if problem:
+                raise BadInput(f"the {side} side (MaxText {RELEASES[side]}): {problem}")

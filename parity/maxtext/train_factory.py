@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -100,7 +101,7 @@ def _plain(tree: Any) -> dict[tuple[str, ...], Any]:
 class MaxTextTraining:
     """One MaxText release's training loop and restore path, on the gate's keys."""
 
-    remote_methods = ("train", "restore")
+    remote_methods = ("train", "restore", "train_compile")
 
     def __init__(self, framework: str, overrides: dict[str, Any]) -> None:
         import maxtext
@@ -154,6 +155,63 @@ class MaxTextTraining:
             flat[LOGITS] = self._logits(model, mesh, config, state, tokens)
         jax.clear_caches()
         return flat, {"first_step": int(first_step), "dtypes": dtypes}
+
+    def train_compile(self, topology: str, num_slices: int) -> tuple[dict, dict]:
+        """This release's `train_compile.py` for a TPU slice (`compile_topology`), as shipped:
+        its own topology devices, mesh, shaped train state and train step, compiled by XLA:TPU
+        from this host. The facts of the compiled step (memory, cost, optimised HLO, mesh
+        shape, compile seconds), or the compiler's refusal (`overflow`: its words) when one
+        device's HBM cannot hold it."""
+        import jax
+        from maxtext.trainers.pre_train import train_compile
+
+        caught: dict[str, Any] = {}
+        shipped = train_compile.jit_and_compile
+
+        def kept(*args: Any, **kwargs: Any) -> Any:
+            caught["mesh_shape"] = {str(k): int(v) for k, v in dict(args[3].shape).items()}
+            start = time.perf_counter()
+            caught["compiled"] = shipped(*args, **kwargs)
+            caught["seconds"] = time.perf_counter() - start
+            return caught["compiled"]
+
+        keys = {k: v for k, v in self.keys.items() if k != "hardware"}  # a TPU's program
+        keys |= {"compile_topology": topology, "compile_topology_num_slices": num_slices}
+        train_compile.jit_and_compile = kept
+        # XLA:TPU executables of compile-only devices cannot be read back (no TPU client): a
+        # minimum compile time no compile reaches keeps them out of the persistent cache.
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+        try:
+            train_compile.main(_argv(self.base_yml, keys))
+        except jax.errors.JaxRuntimeError as error:
+            if "RESOURCE_EXHAUSTED" not in str(error):
+                raise
+            return {}, {"overflow": str(error), "mesh_shape": caught.get("mesh_shape", {})}
+        finally:
+            train_compile.jit_and_compile = shipped
+        compiled = caught["compiled"]
+        memory = compiled.memory_analysis()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        facts = {
+            "memory": {
+                name: int(getattr(memory, name))
+                for name in (
+                    "argument_size_in_bytes",
+                    "output_size_in_bytes",
+                    "temp_size_in_bytes",
+                    "alias_size_in_bytes",
+                    "generated_code_size_in_bytes",
+                )
+            },
+            "cost": {k: float(v) for k, v in cost.items() if isinstance(v, (int, float))},
+            "compiled_text": compiled.as_text(),
+            "mesh_shape": caught["mesh_shape"],
+            "compile_seconds": caught["seconds"],
+            "compile_source": f"its train_compile, XLA:TPU compiled in {caught['seconds']:.1f}s",
+        }
+        jax.clear_caches()
+        return {}, facts
 
     def _logits(self, model: Any, mesh: Any, config: Any, state: Any, tokens: list) -> Any:
         """The restored model's logits (no dropout), under MaxText's mesh and rules, the batch

@@ -1,0 +1,113 @@
+"""The MaxText gate's `compile` on a TPU slice: `parity --maxtext CONFIG --checks=compile
+--topology=NAME [--num_slices=N]`. Each release's own `train_compile.py` (its topology devices,
+mesh, shaped train state and train step, as shipped) runs in the release's environment with
+`compile_topology=NAME`, through the training worker (`parity.maxtext.train_factory`); 0.2.5 is
+held to 0.2.3 per device as on the CPU (`compile_check.records`: memory and FLOPs within
+`COST_TOLERANCE`, not one collective more executed), and each to the chip's HBM, the compiler's
+refusal a finding that names the release (`parity.tpu.check.overflow_result`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+from parity.decoder.cost import CompiledCost
+from parity.engine.result import CheckResult, human_bytes
+from parity.maxtext import compile_check
+from parity.maxtext.checkpoint_gate import FACTORY, call
+from parity.maxtext.gate_config import RELEASES, MaxTextConfig, still_running
+from parity.remote.client import WorkerSet
+from parity.remote.environments import Environment
+from parity.remote.proxy import RemoteProgram
+from parity.reports.progress import progress
+from parity.tpu.check import SIDES, hbm_record, overflow_result
+from parity.tpu.topologies import Target
+from parity.tpu.train_step import Overflow
+
+
+def compiled_on_slice(
+    config: MaxTextConfig,
+    environments: dict[str, Environment],
+    target: Target,
+    sides: dict[str, dict[str, Any]],
+) -> dict[str, dict[str, Any]]:
+    """Each release's `train_compile` for `target`, in its worker: the facts it reported;
+    what each worker runs (versions, interpreter) added to `sides`."""
+    workers = WorkerSet()
+    variables = {
+        "DECOUPLE_GCLOUD": "TRUE",
+        "JAX_PLATFORMS": "cpu",
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",  # libtpu's process lock: both releases at once
+    }
+    facts: dict[str, dict[str, Any]] = {}
+    try:
+        for side in SIDES:
+            options = {"framework": side, "overrides": config.keys}
+            workers.start(
+                side, environments[side], FACTORY, options, None, variables, still_running
+            )
+        releases = " and ".join(RELEASES[s] for s in SIDES)
+        progress(f"compile: MaxText {releases}'s train_compile for {target.describe()}")
+
+        def compile_on(side: str) -> tuple[str, dict[str, Any]]:
+            kwargs = {"topology": target.topology.name, "num_slices": target.num_slices}
+            return side, call(workers[side], "train_compile", **kwargs)[1]
+
+        # Each release compiles in its own process: side by side, the slower one sets the time.
+        with concurrent.futures.ThreadPoolExecutor(len(SIDES)) as pool:
+            facts.update(pool.map(compile_on, SIDES))
+        sides.update(
+            {side: {**w.versions(), "interpreter": w.python} for side, w in workers.items()}
+        )
+    finally:
+        workers.close()
+    return facts
+
+
+def verdict(target: Target, facts: dict[str, dict[str, Any]]) -> CheckResult:
+    """The releases' TPU train steps judged against each other and the chip."""
+    compiled: dict[str, CompiledCost | Overflow] = {}
+    for side in SIDES:
+        if "overflow" in facts[side]:
+            compiled[side] = Overflow.of(side, Exception(facts[side]["overflow"]))
+        else:
+            f = facts[side]
+            compiled[side] = CompiledCost.of(
+                RemoteProgram(f), f["compile_seconds"], f["compile_source"]
+            )
+    if any(isinstance(c, Overflow) for c in compiled.values()):
+        return overflow_result(target, compiled)
+    meshes = {side: facts[side]["mesh_shape"] for side in SIDES}
+    usable = target.topology.usable_hbm_per_device
+    fits = tuple(hbm_record(side, compiled[side], usable) for side in SIDES)
+    hbm = ", ".join(
+        f"{side} ({RELEASES[side]}) peak {human_bytes(compiled[side].peak_bytes)} = "
+        f"{100 * compiled[side].peak_bytes / usable:.3g}% of HBM"
+        for side in SIDES
+    )
+    lead = (
+        f"each release's train_compile, XLA:TPU on {target.describe()}; "
+        f"{human_bytes(usable)} HBM usable per device: {hbm}; per device (train step)"
+    )
+    return compile_check.verdict(compiled, meshes, lead, fits)
+
+
+class _OnSlice:
+    """The run's one check, as `runner.run_checks` runs a pair's own checks."""
+
+    def __init__(self, check) -> None:
+        self.own_checks = {"compile": lambda _pair: check()}
+
+
+def run_on_slice(
+    config: MaxTextConfig, environments: dict[str, Environment], target: Target
+) -> tuple[list, list, dict[str, dict[str, Any]]]:
+    """`parity --maxtext CONFIG --checks=compile --topology=...`: (results, costs, sides), as
+    `release_pair.run_gate` returns them; the workers stop however the check ends."""
+    from parity.decoder import runner
+
+    sides: dict[str, dict[str, Any]] = {}
+    pair = _OnSlice(lambda: verdict(target, compiled_on_slice(config, environments, target, sides)))
+    results, costs = runner.run_checks(pair, ["compile"], 0, drill_down=False)
+    return results, costs, sides
