@@ -276,7 +276,13 @@ def _maxtext_topology_target(config, selected: Sequence[str]):
     from parity.maxtext import gate_config
     from parity.tpu import topologies  # no JAX
 
-    num_slices = FLAGS.num_slices or gate_config.num_slices(config.keys)
+    spans, auto = gate_config.num_slices(config.keys), gate_config.dcn_auto(config.keys)
+    num_slices = FLAGS.num_slices or spans
+    if num_slices != spans and not auto:
+        raise BadInput(
+            f"--num_slices={num_slices}: the config's mesh spans {spans} slice(s) (the product "
+            "of its dcn_* axes)"
+        )
     topology = topologies.check(FLAGS.topology, num_slices, config.num_devices * num_slices)
     return topologies.Target(topology, num_slices)
 

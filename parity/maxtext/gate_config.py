@@ -331,6 +331,11 @@ def batch(keys: dict[str, Any], devices: int, seed: int, step: int, split: str) 
     }
 
 
+def dcn_auto(keys: dict[str, Any]) -> bool:
+    """Whether a `dcn_*` axis is -1, which MaxText fills with the slices left."""
+    return any(v == -1 for k, v in keys.items() if DCN.match(k))
+
+
 def num_slices(keys: dict[str, Any]) -> int:
     """The slices a config's mesh spans: the product of its `dcn_*` axes that are set (a -1,
     "the rest", counts as one)."""
