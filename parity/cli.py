@@ -149,7 +149,8 @@ flags.DEFINE_float(
 flags.DEFINE_string(
     "topology",
     None,
-    "Compile the `compile` check's train steps for this TPU slice, by MaxText's names (v5e-8, "
+    "Compile the compile and program checks' train steps for this TPU slice, by MaxText's "
+    "names (v5e-8, "
     "v5p-16, ...), from this host (libtpu: `pip install jax[tpu]`), instead of for the CPU: "
     "per-device memory against the chip's HBM. The config's mesh must have the slice's "
     "devices (times --num_slices).",
@@ -240,8 +241,11 @@ def _topology_target(cfg: Config, selected: Sequence[str], elsewhere: bool):
         if FLAGS.num_slices is not None:
             raise BadInput("--num_slices: only with --topology")
         return None
-    if "compile" not in selected:
-        raise BadInput("--topology: compiles the compile check's programs; add --checks=compile")
+    if not {"compile", "program"} & set(selected):
+        raise BadInput(
+            "--topology: compiles the compile and program checks' programs for the slice; add "
+            "--checks=compile (or program)"
+        )
     if elsewhere:
         raise BadInput(
             "--topology: the TPU compile runs in this process (not with --num_processes, "

@@ -1,7 +1,7 @@
-"""The `compile` check on TPU slices (`--topology`): names as MaxText's, input refused before
-JAX, both twins compiled by XLA:TPU on small slices (two runs at once), a seeded memory
-regression found at its place, and a train step the chip's HBM cannot hold reported as a
-finding naming its side."""
+"""The `compile` and `program` checks on TPU slices (`--topology`): names as MaxText's, input
+refused before JAX, both twins compiled by XLA:TPU on small slices (two runs at once), a seeded
+memory regression found at its place, a train step the chip's HBM cannot hold reported as a
+finding naming its side; and the MaxText gate's releases compiled for a slice."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def test_every_topology_known_here_is_maxtexts():
         (("--topology=v5p-16", "ici_fsdp_parallelism=1"), "has 8 devices but the config's mesh"),
         (("--topology=v5e-8", "--num_slices=2"), "spans 1 slice(s)"),
         (("--num_slices=2",), "--num_slices: only with --topology"),
-        (("--topology=v5e-8", "--checks=init"), "add --checks=compile"),
+        (("--topology=v5e-8", "--checks=init"), "add --checks=compile (or program)"),
         (("--topology=v5e-8", "--num_processes=2"), "runs in this process"),
     ],
 )
@@ -165,15 +165,14 @@ def test_twins_on_two_slices_at_once(tmp_path):
     """v5e-8 (8 chips, the default mesh) and v5p-8 (4 chips: stage 4 x fsdp 1), compiled by
     two runs at the same time: libtpu's process lock does not stop the second."""
     runs = {
-        "v5e-8": ("llama2-tiny",),
-        "v5p-8": ("llama2-tiny", "ici_fsdp_parallelism=1"),
+        "v5e-8": ("llama2-tiny", "--checks=compile,program"),
+        "v5p-8": ("llama2-tiny", "ici_fsdp_parallelism=1", "--checks=compile"),
     }
     started = {
         name: subprocess.Popen(
             [
                 *parity_command(),
                 *args,
-                "--checks=compile",
                 f"--topology={name}",
                 f"--json={tmp_path / name}.json",
             ],
@@ -188,7 +187,8 @@ def test_twins_on_two_slices_at_once(tmp_path):
         _, err = process.communicate(timeout=600)
         assert process.returncode == 0, err[-3000:]
         assert "lockfile" not in err and "TPU_WORKER_HOSTNAMES" not in err
-        check = compile_check(json.loads((tmp_path / f"{name}.json").read_text()))
+        report = json.loads((tmp_path / f"{name}.json").read_text())
+        check = compile_check(report)
         usable = topologies.parse(name).usable_hbm_per_device
         hbm = {r["tensor"]: r for r in check["details"] if r["tensor"].startswith("HBM")}
         assert set(hbm) == {"HBM (linen)", "HBM (nnx)"}
@@ -199,6 +199,13 @@ def test_twins_on_two_slices_at_once(tmp_path):
         assert loops and all(r["passed"] for r in loops), loops
         assert f"XLA:TPU on {name}" in check["message"]
         assert "same optimised program" in check["message"]
+    (program,) = [c for c in report_of(tmp_path, "v5e-8")["checks"] if c["name"] == "program"]
+    assert program["passed"] and program["message"].startswith("XLA:TPU on v5e-8")
+    assert "optimised HLO: identical" in program["message"]
+
+
+def report_of(folder: Path, name: str) -> dict:
+    return json.loads((folder / f"{name}.json").read_text())
 
 
 @pytest.fixture

@@ -108,7 +108,7 @@ def compile_cost(pair: DecoderPair) -> CheckResult:
     if getattr(pair, "topology", None) is not None:  # `--topology`: XLA:TPU's programs
         from parity.tpu import check as tpu_check
 
-        on_slice = tpu_check.compile_on_slice(cfg, pair.topology)
+        on_slice = pair.on_slice()
         if on_slice.refused:
             return tpu_check.overflow_result(on_slice.target, on_slice.compiled)
         linen_cost, nnx_cost = (on_slice.compiled[f] for f in ("linen", "nnx"))

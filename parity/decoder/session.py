@@ -35,8 +35,28 @@ class DecoderPair(Pair):
 
     output_name = "logits"
     program_name = "train step"
-    # `--topology`: the slice the `compile` check compiles for (`parity.tpu.topologies.Target`)
+    # `--topology`: the slice the `compile` and `program` checks compile for
+    # (`parity.tpu.topologies.Target`)
     topology = None
+    _on_slice = None
+
+    def on_slice(self) -> Any:
+        """`--topology`: both twins' train steps compiled by XLA:TPU for the slice, once per
+        run (`parity.tpu.check.OnSlice`)."""
+        if self._on_slice is None:
+            from parity.tpu import check as tpu_check
+
+            self._on_slice = tpu_check.compile_on_slice(self.cfg, self.topology)
+        return self._on_slice
+
+    @property
+    def own_checks(self) -> dict[str, Any]:
+        """With `--topology`, the `program` check reads the TPU programs."""
+        if self.topology is None:
+            return {}
+        from parity.tpu import check as tpu_check
+
+        return {"program": lambda pair: tpu_check.program_on_slice(pair.on_slice())}
 
     def __init__(self, cfg: Config, bubble_fill: float = 0.0) -> None:
         self.cfg = cfg

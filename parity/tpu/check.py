@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 from jax.sharding import Mesh
 
 from migrate.config.contract import Config
@@ -100,7 +101,21 @@ class OnSlice:
     target: Target
     mesh: Mesh
     layout: str  # how the mesh was laid on the slice's devices
-    compiled: dict[str, CompiledCost | Overflow]
+    programs: dict[str, train_step.SliceProgram]
+
+    @property
+    def compiled(self) -> dict[str, CompiledCost | Overflow]:
+        return {f: p.cost for f, p in self.programs.items()}
+
+    def lowered(self, framework: str) -> jax.stages.Lowered:
+        """As `programs.program` reads a pair's programs."""
+        return self.programs[framework].lowered
+
+    def executable(self, framework: str) -> jax.stages.Compiled:
+        found = self.programs[framework].executable
+        if found is None:
+            raise ValueError(f"{framework}: {self.compiled[framework].message}")
+        return found
 
     @property
     def refused(self) -> bool:
@@ -126,3 +141,20 @@ def compile_on_slice(cfg: Config, target: Target) -> OnSlice:
     `parity.decoder.checks.cost_result`, or `overflow_result` where the compiler refused one)."""
     mesh, layout = compile_devices.make_mesh(cfg, target.topology, target.num_slices)
     return OnSlice(target, mesh, layout, {f: train_step.compile_step(cfg, mesh, f) for f in SIDES})
+
+
+class _Programs:
+    """The twins' TPU programs, read as `programs.program` reads a pair's."""
+
+    def __init__(self, on_slice: OnSlice) -> None:
+        self.lowered, self.compiled = on_slice.lowered, on_slice.executable
+
+
+def program_on_slice(on_slice: OnSlice) -> CheckResult:
+    """The `program` check on the TPU programs: both train steps, before and after XLA:TPU's
+    optimisation, instruction by instruction."""
+    from parity.engine import programs
+
+    result = programs.program(_Programs(on_slice))
+    lead = f"XLA:TPU on {on_slice.target.describe()}: "
+    return dataclasses.replace(result, message=lead + result.message)

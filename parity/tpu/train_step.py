@@ -67,7 +67,17 @@ def lower(cfg: Config, mesh: Mesh, framework: str) -> jax.stages.Lowered:
     return fns(cfg, mesh)[0].lower(params, opt_state, cost.abstract_batch(cfg, mesh))
 
 
-def compile_step(cfg: Config, mesh: Mesh, framework: str) -> cost.CompiledCost | Overflow:
+@dataclasses.dataclass(frozen=True)
+class SliceProgram:
+    """One twin's train step for a slice: lowered, compiled (None where the compiler refused
+    it), and its cost or the refusal."""
+
+    lowered: jax.stages.Lowered
+    executable: jax.stages.Compiled | None
+    cost: cost.CompiledCost | Overflow
+
+
+def compile_step(cfg: Config, mesh: Mesh, framework: str) -> SliceProgram:
     """The train step compiled for the TPU devices of `mesh`, never through the persistent
     cache (XLA:TPU executables of compile-only devices are not kept); the partitioner's
     warnings read as on the CPU. A compile the chip's HBM cannot hold is an `Overflow`; any
@@ -84,10 +94,11 @@ def compile_step(cfg: Config, mesh: Mesh, framework: str) -> cost.CompiledCost |
             compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as error:
         if _OVERFLOW.search(str(error)):
-            return Overflow.of(framework, error)
+            return SliceProgram(lowered, None, Overflow.of(framework, error))
         raise
     finally:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", previous)
     seconds = time.perf_counter() - start
     remats = compiles.parse_remats("\n".join(output))
-    return cost.CompiledCost.of(compiled, seconds, f"XLA:TPU compiled in {seconds:.1f}s", remats)
+    found = cost.CompiledCost.of(compiled, seconds, f"XLA:TPU compiled in {seconds:.1f}s", remats)
+    return SliceProgram(lowered, compiled, found)
