@@ -143,6 +143,14 @@ flags.DEFINE_boolean(
     "--linen_python) against its NNX decoder (0.2.5, --nnx_python), each built by its release "
     "from the config's MaxText keys (defaults: the environments of `make maxtext-envs`).",
 )
+flags.DEFINE_enum(
+    "against",
+    "release",
+    ["release", "twin"],
+    "With --maxtext: the side MaxText 0.2.5's NNX decoder is held to: its Linen release 0.2.3 "
+    "(release), or this project's NNX twin of the config's llama2 shape (twin: "
+    "parity/maxtext/twin_gate.py).",
+)
 flags.DEFINE_float(
     "worker_timeout_s", 600.0, "Each call to a worker must answer within this.", lower_bound=1
 )
@@ -479,6 +487,10 @@ def _run_maxtext(positional: Sequence[str]) -> int:
         from parity.maxtext import tpu_gate
 
         results, costs, sides = tpu_gate.run_on_slice(config, environments, target)
+    elif FLAGS.against == "twin":
+        from parity.maxtext import twin_gate
+
+        results, costs, sides = twin_gate.run_gate(config, environments, selected, FLAGS.steps)
     else:
         results, costs, sides = release_pair.run_gate(
             config, environments, selected, FLAGS.steps, checkpoint_steps

@@ -14,6 +14,9 @@ at `param_scan_axis` 1), and the query scale: MaxText folds `1/sqrt(head_dim)` i
 kernel, the twins scale queries in the forward pass, so the twins' query kernel is MaxText's
 times `sqrt(head_dim)`, its Adam `mu` divided by it and `nu` by `head_dim` (the chain rule on
 the gradient). Exact both ways when `sqrt(head_dim)` is a power of two (head_dim 4, 16, 64...).
+A pipeline with several layers per stage or circular repeats (`pipeline_map`: MaxText's
+`layers_<j>` stacked `[R?, S, ...]` <-> the twins' pipeline layout, the same stacking; then
+`pipeline_to_reference`, layer `(r*S + s)*L + j`) needs its layout `(R, S, L)`.
 Carried: parameters, both moments, the Adam count; MaxText's schedule count (`opt_state/2`)
 equals the Adam count and is rebuilt from it on the way back; 0.2.5's RNG state is dropped
 (reported). Reads hold the checkpoint in host memory once (tiny to mid-size checkpoints).
@@ -35,9 +38,10 @@ from typing import Any
 import numpy as np
 
 from migrate.checkpoints.meta import CheckpointError
-from migrate.checkpoints.weight_map import Entry, WeightMap, match
+from migrate.checkpoints.weight_map import Entry, WeightMap, WeightMapError, match
 
 PREFIX = ("params", "params")
+Layout = tuple[int, int, int]  # a pipeline's (repeats R, stages S, layers per stage L)
 MOMENTS = ("mu", "nu")
 
 
@@ -78,6 +82,101 @@ def twins_map(head_dim: int, kind: str = "params", stacking: str = "pipeline") -
             ),
         ),
     )
+
+
+# MaxText's logical names the twins name otherwise (MaxText 0.2.3's form; 0.2.5 also renames
+# attention's embed, `parity.maxtext.release_pair.RELEASES`): the embedding and the logits head
+# name their embed dimension `embed_vocab`, the twins `embed`.
+EMBED_VOCAB = (("embed_vocab", "embed"),)
+
+
+def pipeline_map(head_dim: int, per_stage: int, kind: str = "params") -> WeightMap:
+    """MaxText's pipelined decoder (`decoder/pipeline_module/layers`, layers stacked `[R?, S,
+    ...]`, any number of stages S and circular repeats R) -> the twins' pipeline layout
+    (`pipeline/layers/layers_<j>`, the same stacking): the paths, the query scale of `kind`
+    (`params`, or `mu`, which a gradient shares, or `nu`), and the logical names
+    (`EMBED_VOCAB`). With one layer per stage MaxText has no `layers_0` level; with `per_stage`
+    > 1 both have `layers_<j>`, one row each (a `layers_<j>` beyond them maps nowhere). Layers
+    scanned within a stage (`scan_layers_per_stage`) are not mapped."""
+    scale = query_scale(head_dim, kind)
+    slots = [""] if per_stage == 1 else [f"layers_{j}/" for j in range(per_stage)]
+    rows: list[Entry] = [
+        Entry("token_embedder/embedding", "token_embedder/embedding", names=EMBED_VOCAB),
+        Entry("decoder/decoder_norm/scale", "decoder_norm/scale"),
+        Entry("decoder/logits_dense/kernel", "logits_dense/kernel", names=EMBED_VOCAB),
+    ]
+    for j, slot in enumerate(slots):
+        source, target = f"decoder/pipeline_module/layers/{slot}", f"pipeline/layers/layers_{j}/"
+        rows.append(Entry(f"{source}{{path...}}", f"{target}{{path...}}"))
+        rows.append(
+            Entry(
+                f"{source}self_attention/query/kernel",
+                f"{target}self_attention/query/kernel",
+                scale=scale,
+                note="MaxText folds 1/sqrt(head_dim) into the query kernel",
+            )
+        )
+    return WeightMap(f"maxtext (pipeline, L={per_stage}) -> twins pipeline ({kind})", tuple(rows))
+
+
+def pipeline_to_reference(
+    flat: dict[tuple[str, ...], Any], repeats: int, stages: int, per_stage: int
+) -> dict[tuple[str, ...], Any]:
+    """The twins' pipeline layout (flat, `pipeline/layers/layers_<j>/...` stacked `[R?, S,
+    ...]`) -> their reference layout (`layers/...` stacked `[N, ...]`, layer `(r*S + s)*L + j`);
+    the other leaves as they are. Strict: every layer leaf in every slot, each with the stacked
+    axes the counts say (else `WeightMapError`)."""
+    lead = ((repeats,) if repeats > 1 else ()) + (stages,)
+    slots: dict[tuple[str, ...], dict[int, Any]] = {}
+    out, problems = {}, []
+    for path, array in flat.items():
+        if path[:2] != ("pipeline", "layers"):
+            out[path] = array
+            continue
+        slot = path[2] if len(path) > 3 else ""
+        j = int(slot[len("layers_") :]) if slot.startswith("layers_") else -1
+        if not 0 <= j < per_stage:
+            problems.append(f"{'/'.join(path)}: not a slot of {per_stage} layers per stage")
+            continue
+        if tuple(np.shape(array)[: len(lead)]) != lead:
+            problems.append(f"{'/'.join(path)}: shape {np.shape(array)} lacks the axes {lead}")
+            continue
+        slots.setdefault(path[3:], {})[j] = array
+    for rest, per_slot in slots.items():
+        if sorted(per_slot) != list(range(per_stage)):
+            problems.append(f"{'/'.join(rest)}: slots {sorted(per_slot)} of {per_stage}")
+            continue
+        stacked = np.stack([np.asarray(per_slot[j]) for j in range(per_stage)], axis=len(lead))
+        out[("layers", *rest)] = stacked.reshape(-1, *stacked.shape[len(lead) + 1 :])
+    if problems:
+        raise WeightMapError("twins pipeline -> reference", problems)
+    return out
+
+
+def reference_to_pipeline(
+    flat: dict[tuple[str, ...], Any], repeats: int, stages: int, per_stage: int
+) -> dict[tuple[str, ...], Any]:
+    """The inverse of `pipeline_to_reference`: every `layers/...` leaf must hold `R*S*L`
+    layers."""
+    lead = ((repeats,) if repeats > 1 else ()) + (stages,)
+    layers = repeats * stages * per_stage
+    out, problems = {}, []
+    for path, array in flat.items():
+        if path[0] != "layers":
+            out[path] = array
+            continue
+        array = np.asarray(array)
+        if array.shape[:1] != (layers,):
+            problems.append(f"{'/'.join(path)}: shape {array.shape}, not {layers} layers")
+            continue
+        split = array.reshape(*lead, per_stage, *array.shape[1:])
+        for j in range(per_stage):
+            out[("pipeline", "layers", f"layers_{j}", *path[1:])] = np.take(
+                split, j, axis=len(lead)
+            )
+    if problems:
+        raise WeightMapError("twins reference -> pipeline", problems)
+    return out
 
 
 def stacking(flat: dict[tuple[str, ...], Any]) -> str:
@@ -157,10 +256,37 @@ def _flatten(tree: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], A
     return out
 
 
-def to_twins(flat: dict[tuple[str, ...], Any], head_dim: int) -> dict[str, Any]:
+def to_reference(
+    tree: dict[tuple[str, ...], Any], head_dim: int, kind: str, how: str, layout: Layout | None
+) -> dict[tuple[str, ...], Any]:
+    """One tree of MaxText's (parameters or a moment) -> the twins' reference layout; a
+    pipeline of several layers per stage or circular repeats needs its `layout`."""
+    if how != "pipeline" or layout is None:
+        return twins_map(head_dim, kind, how).forward(tree)
+    repeats, stages, per_stage = layout
+    staged = pipeline_map(head_dim, per_stage, kind).forward(tree)
+    return pipeline_to_reference(staged, repeats, stages, per_stage)
+
+
+def from_reference(
+    tree: dict[tuple[str, ...], Any], head_dim: int, kind: str, how: str, layout: Layout | None
+) -> dict[tuple[str, ...], Any]:
+    """The inverse of `to_reference`."""
+    if how != "pipeline" or layout is None:
+        return twins_map(head_dim, kind, how).backward(tree)
+    repeats, stages, per_stage = layout
+    staged = reference_to_pipeline(tree, repeats, stages, per_stage)
+    return pipeline_map(head_dim, per_stage, kind).backward(staged)
+
+
+def to_twins(
+    flat: dict[tuple[str, ...], Any], head_dim: int, layout: Layout | None = None
+) -> dict[str, Any]:
     """A MaxText checkpoint's arrays -> the twins' reference-layout trees: `params` and each
     moment flat by twin path, the Adam `count`, the `step`, and what was dropped. Strict: a
-    leaf of the checkpoint that is neither mapped nor declared dropped is a WeightMapError."""
+    leaf of the checkpoint that is neither mapped nor declared dropped is a WeightMapError.
+    `layout` (R, S, L): a pipeline's repeats, stages and layers per stage (needed beyond one
+    layer per stage without repeats)."""
     _check_head_dim(head_dim)
     trees: dict[str, dict] = {"params": {}, "mu": {}, "nu": {}}
     counts, dropped, unknown = {}, [], []
@@ -197,7 +323,7 @@ def to_twins(flat: dict[tuple[str, ...], Any], head_dim: int) -> dict[str, Any]:
             "a schedule count the twins' optimizer cannot carry"
         )
     how = stacking(flat)
-    out = {kind: twins_map(head_dim, kind, how).forward(trees[kind]) for kind in trees}
+    out = {kind: to_reference(trees[kind], head_dim, kind, how, layout) for kind in trees}
     return {
         **out,
         "count": counts["0"],
@@ -208,15 +334,21 @@ def to_twins(flat: dict[tuple[str, ...], Any], head_dim: int) -> dict[str, Any]:
 
 
 def from_twins(
-    trees: dict[str, dict], count: Any, step: int, head_dim: int, how: str
+    trees: dict[str, dict],
+    count: Any,
+    step: int,
+    head_dim: int,
+    how: str,
+    layout: Layout | None = None,
 ) -> dict[tuple[str, ...], Any]:
     """The twins' reference-layout `params`, `mu`, `nu` (flat by twin path) -> MaxText's
-    Linen on-disk tree (flat), its layers stacked as `how` (`pipeline` or `scan`) says."""
+    Linen on-disk tree (flat), its layers stacked as `how` (`pipeline` or `scan`) and, for a
+    pipeline, `layout` (R, S, L) say."""
     _check_head_dim(head_dim)
     out: dict[tuple[str, ...], Any] = {("step",): np.asarray(step, np.int32)}
     for kind in ("params", *MOMENTS):
         head = PREFIX if kind == "params" else ("opt_state", "0", kind, "params")
-        for path, array in twins_map(head_dim, kind, how).backward(trees[kind]).items():
+        for path, array in from_reference(trees[kind], head_dim, kind, how, layout).items():
             out[(*head, *path)] = array
     out[("opt_state", "0", "count")] = np.asarray(count)
     out[("opt_state", "2", "count")] = np.asarray(count)
