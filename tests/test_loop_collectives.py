@@ -157,6 +157,57 @@ ENTRY %main (a: f32[2]) -> f32[2] {
     }
 
 
+def test_xla_tpu_program_forms():
+    """What XLA:TPU writes where XLA:CPU does not: a loop whose trip count only its condition
+    states, a program compiled per slice (partitions = one slice's devices) and a transfer
+    between slices (a host-transfer `send` naming its megascale transfer type)."""
+    text = """HloModule m, num_partitions=4
+
+%cond (p: (s32[], f32[2])) -> pred[] {
+  %k = s32[]{:T(128)} constant(19)
+  %p = (s32[], f32[2]) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%i, %k), direction=LT
+}
+
+%body (p: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %p = (s32[], f32[2]) parameter(0)
+  %c = (f32[2], f32[2]) collective-permute-start(%p), source_target_pairs={{0,2},{2,0}}
+  %s = (f32[2], u32[], token[]) send(%p, %t), is_host_transfer=true, ONE_TO_ONE
+  ROOT %r = (s32[], f32[2]) tuple(%p)
+}
+
+ENTRY %main (a: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %a = (s32[], f32[2]) parameter(0)
+  %g = (u32[2,4], u32[]) send(%a, %t), is_host_transfer=true, ALL_GATHER
+  ROOT %w = (s32[], f32[2]) while(%a), condition=%cond, body=%body, FORWARD
+}
+"""
+    for transfer_type in ("ONE_TO_ONE", "ALL_GATHER"):
+        attributes = "frontend_attributes={_xla_megascale_target={{100000->200000}},"
+        attributes += f'megascale_transfer_type="{transfer_type}"}}'
+        text = text.replace(transfer_type, attributes)
+    text = text.replace("FORWARD", 'metadata={op_name="jit(f)/jvp()/while"}')
+    (loop,) = hlo.loops(text)
+    assert loop.trip_count == 19
+    permute, transfer = loop.collectives
+    assert (permute.kind, permute.dcn, transfer.kind, transfer.dcn) == (
+        "collective-permute",
+        False,
+        "collective-permute",
+        True,
+    )
+    # stage 2 x fsdp 2 in each of 2 slices (stage over DCN): partition 2 of a slice's program
+    # is the next stage within the slice, and the transfer crosses the slices' stage blocks
+    mesh = hlo.SliceMesh({"data": 1, "stage": 4, "fsdp": 2}, {"stage": 2})
+    assert permute.mesh_axes(mesh) == {"stage"}
+    assert hlo.Collective("all-gather", "g", ((0, 1),), partitions=4).mesh_axes(mesh) == {"fsdp"}
+    assert transfer.mesh_axes(mesh) == {"stage"}
+    ((_, gathered),) = hlo.outside_loops(text)
+    assert (gathered.kind, gathered.dcn, gathered.dtype) == ("all-gather", True, "u32")
+    assert hlo.collective_counts(text)["collective-permute"] == 2
+
+
 # ------------------------------------------------------------------ the gate
 
 

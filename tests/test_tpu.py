@@ -162,11 +162,15 @@ def test_a_cpu_run_meets_no_tpu_backend():
 @pytest.mark.slow
 @needs_libtpu
 def test_twins_on_two_slices_at_once(tmp_path):
-    """v5e-8 (8 chips, the default mesh) and v5p-8 (4 chips: stage 4 x fsdp 1), compiled by
-    two runs at the same time: libtpu's process lock does not stop the second."""
+    """v5e-8 (8 chips, the default mesh), v5p-8 (4 chips: stage 4 x fsdp 1) and two slices of
+    v5e-4 (stages 2 x 2 over DCN), compiled by three runs at the same time: libtpu's process
+    lock does not stop the others."""
     runs = {
         "v5e-8": ("llama2-tiny", "--checks=compile,program"),
         "v5p-8": ("llama2-tiny", "ici_fsdp_parallelism=1", "--checks=compile"),
+        # two slices: XLA:TPU compiles one program per slice, the rotation's hops between
+        # slices a transfer of their own
+        "v5e-4": ("llama2-tiny-multislice", "--checks=compile"),
     }
     started = {
         name: subprocess.Popen(
@@ -199,6 +203,13 @@ def test_twins_on_two_slices_at_once(tmp_path):
         assert loops and all(r["passed"] for r in loops), loops
         assert f"XLA:TPU on {name}" in check["message"]
         assert "same optimised program" in check["message"]
+    multislice = compile_check(report_of(tmp_path, "v5e-4"))["details"]
+    layout = [r for r in multislice if r["tensor"].startswith("slices: stage")]
+    assert [r["found"] for r in layout] == [[0], [0], [1], [1]], layout
+    transfers = [r for r in multislice if r["tensor"].endswith("transfers across slices")]
+    assert len(transfers) == 4 and all(r["found"] == 1 for r in transfers), transfers
+    (across,) = [r for r in multislice if r["tensor"] == "collectives across slices"]
+    assert across["nnx"]["collective-permute"] == 2 and across["nnx"] == across["linen"]
     (program,) = [c for c in report_of(tmp_path, "v5e-8")["checks"] if c["name"] == "program"]
     assert program["passed"] and program["message"].startswith("XLA:TPU on v5e-8")
     assert "optimised HLO: identical" in program["message"]

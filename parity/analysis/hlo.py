@@ -14,12 +14,34 @@ import numpy as np
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
 # `%name = type op(` or `op-start(`: the async `-done` halves are not counted twice.
 _INSTRUCTION = re.compile(r"=\s*[^=]*?\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+# XLA:TPU compiles a multi-slice program per slice (its partitions are one slice's devices)
+# and moves data between slices (DCN) by host transfers: a `send` (and its `recv`) whose
+# attributes name the transfer, `megascale_transfer_type="ONE_TO_ONE"` for a ppermute. Each
+# send is one collective over DCN, of the kind its transfer type says.
+_DCN_SEND = re.compile(r"=\s*[^=]*?\bsend\(.*megascale_transfer_type=\"(\w+)\"")
+DCN_KINDS = {
+    "ONE_TO_ONE": "collective-permute",
+    "ALL_GATHER": "all-gather",
+    "ALL_REDUCE": "all-reduce",
+    "REDUCE_SCATTER": "reduce-scatter",
+    "ALL_TO_ALL": "all-to-all",
+}
+
+
+def collective_kind(line: str) -> tuple[str, bool] | None:
+    """The collective an HLO line issues, and whether it crosses slices (DCN); None if none."""
+    if m := _INSTRUCTION.search(line):
+        return m.group(1), False
+    if m := _DCN_SEND.search(line):
+        return DCN_KINDS.get(m.group(1), m.group(1).lower().replace("_", "-")), True
+    return None
 
 
 def collective_counts(hlo_text: str) -> dict[str, int]:
-    """How many instructions of each collective kind a compiled HLO module holds."""
+    """How many instructions of each collective kind a compiled HLO module holds (transfers
+    between slices included, by their kind)."""
     counts = Counter(
-        m.group(1) for line in hlo_text.splitlines() if (m := _INSTRUCTION.search(line))
+        found[0] for line in hlo_text.splitlines() if (found := collective_kind(line))
     )
     return {kind: counts.get(kind, 0) for kind in COLLECTIVES}
 
@@ -80,6 +102,15 @@ def result_dtype(line: str) -> str:
     return m.group(1) if (m := _RESULT_DTYPE.search(line)) else ""
 
 
+class SliceMesh(dict):
+    """A mesh's shape (axis -> size) with the part of each axis that spans slices (`dcn`):
+    how the collectives of a TPU program compiled per slice are read (`Collective.mesh_axes`)."""
+
+    def __init__(self, shape: Mapping[str, int], dcn: Mapping[str, int]) -> None:
+        super().__init__(shape)
+        self.dcn = {a: n for a, n in dcn.items() if a in shape}
+
+
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One collective instruction and the devices it connects: groups of partition ids (a
@@ -90,6 +121,10 @@ class Collective:
     groups: tuple[tuple[int, ...], ...]
     op_name: str = ""  # the JAX operation it came from (XLA's metadata)
     dtype: str = ""  # of its result (an async start's first operand): `f32`, `u32`, ...
+    # a transfer between slices (DCN) of a per-slice TPU program: no partition groups, the
+    # slices it connects are the mesh's `dcn_*` axes (`across_slices`)
+    dcn: bool = False
+    partitions: int = 0  # the program's partitions (one slice's devices in a per-slice program)
 
     @property
     def recomputed(self) -> bool:
@@ -99,8 +134,15 @@ class Collective:
 
     def mesh_axes(self, mesh_shape: Mapping[str, int]) -> frozenset[str]:
         """The mesh axes along which the devices of some group differ. Partition p is the
-        p-th device of the mesh in row-major order (how jit assigns a mesh's devices)."""
+        p-th device of the mesh in row-major order (how jit assigns a mesh's devices); in a
+        per-slice program (a `SliceMesh` whose partitions are one slice's), of one slice's
+        mesh. A transfer between slices spans the axes that cross slices."""
         names, sizes = list(mesh_shape), [mesh_shape[a] for a in mesh_shape]
+        dcn = getattr(mesh_shape, "dcn", {})
+        if self.dcn:
+            return frozenset(a for a, n in dcn.items() if n > 1)
+        if dcn and 0 < self.partitions < int(np.prod(sizes)):
+            sizes = [mesh_shape[a] // dcn.get(a, 1) for a in names]
         axes: set[str] = set()
         for group in self.groups:
             coords = np.array(np.unravel_index(np.asarray(group, dtype=np.int64), sizes))
@@ -228,6 +270,19 @@ def _condition_bound(condition: list[str]) -> int | None:
     return None
 
 
+def _collective(line: str, num_devices: int) -> Collective | None:
+    """The collective an HLO line issues, with its device groups, source and result type."""
+    found = collective_kind(line)
+    if found is None:
+        return None
+    kind, dcn = found
+    instruction = _NAME_OF.match(line)
+    op_name = m.group(1) if (m := _OP_NAME.search(line)) else ""
+    groups = () if dcn else device_groups(line, num_devices)
+    name = instruction.group(1) if instruction else "?"
+    return Collective(kind, name, groups, op_name, result_dtype(line), dcn, num_devices)
+
+
 def loops(hlo_text: str) -> list[Loop]:
     """The program's outermost while loops (for a scanned pipeline, the forward and the
     backward iteration loop), each with the collectives its body issues per iteration."""
@@ -240,18 +295,8 @@ def loops(hlo_text: str) -> list[Loop]:
         seen.add(name)
         found = []
         for line in computations[name]:
-            if m := _INSTRUCTION.search(line):
-                instruction = _NAME_OF.match(line)
-                op_name = _OP_NAME.search(line)
-                found.append(
-                    Collective(
-                        m.group(1),
-                        instruction.group(1) if instruction else "?",
-                        device_groups(line, num_devices),
-                        op_name.group(1) if op_name else "",
-                        result_dtype(line),
-                    )
-                )
+            if collective := _collective(line, num_devices):
+                found.append(collective)
             for called in _called(line):
                 found += collectives_under(called, seen)
         return found
@@ -296,17 +341,9 @@ def outside_loops(hlo_text: str) -> list[tuple[str, Collective]]:
         for line in computations[name]:
             if re.search(r"\swhile\(", line):
                 continue
-            if m := _INSTRUCTION.search(line):
-                instruction = _NAME_OF.match(line)
-                op_name = m2.group(1) if (m2 := _OP_NAME.search(line)) else ""
-                collective = Collective(
-                    m.group(1),
-                    instruction.group(1) if instruction else "?",
-                    device_groups(line, num_devices),
-                    op_name,
-                    result_dtype(line),
-                )
-                found.append(("backward" if "transpose(" in op_name else "forward", collective))
+            if collective := _collective(line, num_devices):
+                direction = "backward" if "transpose(" in collective.op_name else "forward"
+                found.append((direction, collective))
             for called in _called(line):
                 visit(called, seen)
 

@@ -113,7 +113,13 @@ def compile_cost(pair: DecoderPair) -> CheckResult:
             return tpu_check.overflow_result(on_slice.target, on_slice.compiled)
         linen_cost, nnx_cost = (on_slice.compiled[f] for f in ("linen", "nnx"))
         return cost_result(
-            cfg, on_slice.mesh, linen_cost, nnx_cost, on_slice.fit_records(), on_slice.lead()
+            cfg,
+            on_slice.mesh,
+            linen_cost,
+            nnx_cost,
+            on_slice.fit_records(),
+            on_slice.lead(),
+            on_slice.mesh_shape(cfg),
         )
     linen_cost, nnx_cost = (
         cost.compile_train_step(cfg, mesh, f, pair.train_step_lowered(f)) for f in ("linen", "nnx")
@@ -128,10 +134,12 @@ def cost_result(
     nnx_cost: cost.CompiledCost,
     leading: tuple[dict, ...] = (),
     lead: str = "per device",
+    mesh_shape: dict[str, int] | None = None,
 ) -> CheckResult:
     """The `compile` verdict on two compiled train steps (`compile_cost`'s; on a TPU slice,
     `parity.tpu.check`'s, which puts its HBM records first: `leading`, gated like the rest)."""
-    records, loop_summary = loop_body_records(cfg, dict(mesh.shape), linen_cost, nnx_cost)
+    mesh_shape = dict(mesh.shape) if mesh_shape is None else mesh_shape
+    records, loop_summary = loop_body_records(cfg, mesh_shape, linen_cost, nnx_cost)
     records = [*leading, *records]
     for field in (
         "temp_bytes",
@@ -175,7 +183,7 @@ def cost_result(
             }
         )
     records += cost.remat_records(linen_cost, nnx_cost)
-    outside, outside_summary = outside_loop_records(dict(mesh.shape), linen_cost, nnx_cost)
+    outside, outside_summary = outside_loop_records(mesh_shape, linen_cost, nnx_cost)
     records += outside
     slice_records, slice_summary = slices.records(cfg, mesh, linen_cost, nnx_cost)
     records += slice_records
@@ -222,7 +230,8 @@ def loop_body_records(
     """Records of the collectives in both twins' pipeline-loop bodies against
     `cost.loop_body_minimum` (across stages), the ag-once rule (no all-gather over fsdp in
     the loop), and the loops' presence; plus a one-line summary."""
-    minimum = cost.loop_body_minimum(cfg)
+    per_slice = slices.per_slice(linen_cost) or slices.per_slice(nnx_cost)
+    minimum = cost.loop_body_minimum(cfg, per_slice)
     if not minimum:
         note = "no iteration loop (S == 1 or iterations unrolled)"
         return [{"tensor": "loop body", "max_rel": 0.0, "passed": True, "note": note}], note

@@ -173,7 +173,7 @@ def remat_records(linen_cost, nnx_cost) -> list[dict]:
 DIRECTIONS = ("forward", "backward")
 
 
-def loop_body_minimum(cfg: Config) -> dict[str, dict[str, int]]:
+def loop_body_minimum(cfg: Config, per_slice: bool = False) -> dict[str, dict[str, int]]:
     """Collectives across the `stage` mesh axis that one pipeline iteration needs, per loop
     body (forward, backward) and kind: what the compile check allows, and why.
 
@@ -205,10 +205,18 @@ def loop_body_minimum(cfg: Config) -> dict[str, dict[str, int]]:
     removes them (`pipeline_fsdp_ag_once`, `pipeline_fsdp_ag_per_repeat`: no all-gather over
     fsdp in the iteration loop; per repeat, at least one in the repeat loop's body).
     A config without a pipeline (S == 1) or with the loop unrolled has no loop body: empty.
+
+    `per_slice`: a TPU program compiled per slice (`--topology` with several slices) moves the
+    rotation's hops between slices by a transfer of their own (`hlo.Collective.dcn`): the
+    rotation is then one permute within the slice (where stages share a slice) and one
+    transfer between slices.
     """
     if not cfg.using_pipeline or not cfg.scan_pipeline_iterations:
         return {}
-    rotation = {kind: 0 for kind in hlo.COLLECTIVES} | {"collective-permute": 1}
+    permutes = 1
+    if per_slice and cfg.dcn_pipeline_parallelism > 1:
+        permutes = int(cfg.ici_pipeline_parallelism > 1) + 1
+    rotation = {kind: 0 for kind in hlo.COLLECTIVES} | {"collective-permute": permutes}
     return {direction: dict(rotation) for direction in DIRECTIONS}
 
 

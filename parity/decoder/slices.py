@@ -24,10 +24,21 @@ DIRECTIONS = ("forward", "backward")
 
 
 def device_slices(cfg: Config, mesh: Mesh) -> np.ndarray:
-    """The slice of the device at each mesh position (an int array of the mesh's shape), for
-    a mesh over the devices `make_mesh` takes by default (the first `cfg.num_devices`)."""
+    """The slice of the device at each mesh position (an int array of the mesh's shape): a
+    TPU device's own `slice_index`; for the simulated devices `make_mesh` takes by default
+    (the first `cfg.num_devices`), the slice they were grouped into."""
+    if all(d.platform == "tpu" for d in mesh.devices.flat):
+        return np.vectorize(lambda d: d.slice_index, otypes=[int])(mesh.devices)
     of = sharding.slice_of_device(cfg, jax.devices()[: cfg.num_devices])
     return np.vectorize(lambda d: of[d.id], otypes=[int])(mesh.devices)
+
+
+def per_slice(cost) -> bool:
+    """A program compiled per slice (XLA:TPU's multi-slice programs): its transfers between
+    slices are their own instructions (`hlo.Collective.dcn`), not partition groups."""
+    return any(c.dcn for loop in cost.loops for c in loop.collectives) or any(
+        c.dcn for _, c in cost.outside_loops
+    )
 
 
 def expected_slices(cfg: Config) -> np.ndarray:
@@ -82,9 +93,40 @@ def crossing(collective: hlo.Collective, slices: np.ndarray) -> list[tuple[int, 
     return out
 
 
+def transfer_records(cfg: Config, costs: dict) -> tuple[list[dict], str]:
+    """Per loop body and twin of a per-slice program: the rotation's transfers between slices,
+    one instruction carrying every block boundary's hop (XLA:TPU sends them together)."""
+    records, seen = [], {}
+    for direction in DIRECTIONS:
+        for framework, cost in costs.items():
+            found = sum(
+                c.dcn and c.kind == "collective-permute"
+                for loop in cost.loops
+                if loop.trip_count == cfg.num_iterations and loop.direction == direction
+                for c in loop.collectives
+            )
+            seen[direction, framework] = found
+            records.append(
+                {
+                    "tensor": f"loop body {direction} ({framework}): transfers across slices",
+                    "found": found,
+                    "expected": 1,
+                    "max_rel": 0.0 if found == 1 else 1.0,
+                    "passed": found == 1,
+                }
+            )
+    summary = "rotation transfers across slices per iteration fwd/bwd: {}/{} (expected 1)".format(
+        seen["forward", "nnx"], seen["backward", "nnx"]
+    )
+    return records, summary
+
+
 def permute_records(cfg: Config, mesh: Mesh, costs: dict) -> tuple[list[dict], str]:
     """Per loop body and twin, the rotation's hops that cross slices: exactly the stage
-    ring's block boundaries, on every replica of the other axes, and no other hop."""
+    ring's block boundaries, on every replica of the other axes, and no other hop (for a
+    per-slice program, `transfer_records`)."""
+    if any(per_slice(c) for c in costs.values()):
+        return transfer_records(cfg, costs)
     slices = device_slices(cfg, mesh)
     shape = tuple(cfg.mesh_shape[a] for a in MESH_AXES)
     stage_axis = MESH_AXES.index("stage")
@@ -132,7 +174,7 @@ def across_slice_counts(cfg: Config, mesh: Mesh, cost) -> dict[str, int]:
     found = [c for loop in cost.loops for c in loop.collectives]
     found += [c for _, c in cost.outside_loops]
     for collective in found:
-        counts[collective.kind] += bool(crossing(collective, slices))
+        counts[collective.kind] += collective.dcn or bool(crossing(collective, slices))
     return counts
 
 

@@ -10,8 +10,11 @@ refusal a finding that names the release (`parity.tpu.check.overflow_result`).
 from __future__ import annotations
 
 import concurrent.futures
+import math
+import re
 from typing import Any
 
+from parity.analysis import hlo
 from parity.decoder.cost import CompiledCost
 from parity.engine.result import CheckResult, human_bytes
 from parity.maxtext import compile_check
@@ -65,7 +68,19 @@ def compiled_on_slice(
     return facts
 
 
-def verdict(target: Target, facts: dict[str, dict[str, Any]]) -> CheckResult:
+def slice_mesh(mesh_shape: dict[str, int], keys: dict[str, Any], target: Target) -> hlo.SliceMesh:
+    """A release's mesh as its per-slice TPU program is read: each `dcn_<axis>_parallelism`
+    key's share of its axis (`pipeline` is the `stage` axis; a -1 takes the slices left)."""
+    dcn = {}
+    for key, value in keys.items():
+        if (m := re.fullmatch(r"dcn_(\w+)_parallelism", key)) and isinstance(value, int):
+            dcn["stage" if m[1] == "pipeline" else m[1]] = value
+    known = math.prod(n for n in dcn.values() if n > 0)
+    dcn = {a: (target.num_slices // known if n == -1 else n) for a, n in dcn.items()}
+    return hlo.SliceMesh(mesh_shape, dcn)
+
+
+def verdict(target: Target, facts: dict[str, dict[str, Any]], keys: dict[str, Any]) -> CheckResult:
     """The releases' TPU train steps judged against each other and the chip."""
     compiled: dict[str, CompiledCost | Overflow] = {}
     for side in SIDES:
@@ -78,7 +93,7 @@ def verdict(target: Target, facts: dict[str, dict[str, Any]]) -> CheckResult:
             )
     if any(isinstance(c, Overflow) for c in compiled.values()):
         return overflow_result(target, compiled)
-    meshes = {side: facts[side]["mesh_shape"] for side in SIDES}
+    meshes = {side: slice_mesh(facts[side]["mesh_shape"], keys, target) for side in SIDES}
     usable = target.topology.usable_hbm_per_device
     fits = tuple(hbm_record(side, compiled[side], usable) for side in SIDES)
     hbm = ", ".join(
@@ -108,6 +123,8 @@ def run_on_slice(
     from parity.decoder import runner
 
     sides: dict[str, dict[str, Any]] = {}
-    pair = _OnSlice(lambda: verdict(target, compiled_on_slice(config, environments, target, sides)))
+    pair = _OnSlice(
+        lambda: verdict(target, compiled_on_slice(config, environments, target, sides), config.keys)
+    )
     results, costs = runner.run_checks(pair, ["compile"], 0, drill_down=False)
     return results, costs, sides

@@ -14,6 +14,7 @@ import jax
 from jax.sharding import Mesh
 
 from migrate.config.contract import Config
+from parity.analysis import hlo
 from parity.decoder.cost import CompiledCost
 from parity.engine.result import CheckResult, human_bytes
 from parity.tpu import compile_devices, train_step
@@ -42,7 +43,12 @@ def _fit_line(framework: str, compiled: CompiledCost, usable: int) -> str:
     return (
         f"{framework} peak {human_bytes(compiled.peak_bytes)} = "
         f"{100 * compiled.peak_bytes / usable:.3g}% of HBM, margin "
-        f"{human_bytes(usable - compiled.peak_bytes)}, step >= {compiled.optimal_seconds:.3g}s"
+        f"{human_bytes(usable - compiled.peak_bytes)}, "
+        + (
+            f"step >= {compiled.optimal_seconds:.3g}s"
+            if compiled.optimal_seconds > 0
+            else "no step estimate"  # XLA:TPU gives none (negative) for a multi-slice program
+        )
     )
 
 
@@ -120,6 +126,12 @@ class OnSlice:
     @property
     def refused(self) -> bool:
         return any(isinstance(c, Overflow) for c in self.compiled.values())
+
+    def mesh_shape(self, cfg: Config) -> hlo.SliceMesh:
+        """The mesh's shape as the slice's programs are read: XLA:TPU compiles a multi-slice
+        program per slice, its partitions one slice's devices."""
+        dcn = {"data": cfg.dcn_data_parallelism, "stage": cfg.dcn_pipeline_parallelism}
+        return hlo.SliceMesh(dict(self.mesh.shape), dcn)
 
     def fit_records(self) -> tuple[dict, ...]:
         usable = self.target.topology.usable_hbm_per_device
