@@ -242,63 +242,6 @@ def _check_work(cfg: Config, selected: Sequence[str]) -> None:
         memory.check_fits(memory.estimate(cfg, copies=2), share, f"--checks={','.join(allocating)}")
 
 
-def _topology_target(cfg: Config, selected: Sequence[str], elsewhere: bool):
-    """`--topology`/`--num_slices`, validated before JAX (the name, the mesh's devices against
-    the slices', libtpu): the `parity.tpu.check.Target`, or None without them."""
-    if FLAGS.topology is None:
-        if FLAGS.num_slices is not None:
-            raise BadInput("--num_slices: only with --topology")
-        return None
-    if not {"compile", "program"} & set(selected):
-        raise BadInput(
-            "--topology: compiles the compile and program checks' programs for the slice; add "
-            "--checks=compile (or program)"
-        )
-    if elsewhere:
-        raise BadInput(
-            "--topology: the TPU compile runs in this process (not with --num_processes, "
-            "--linen_python/--nnx_python or --linen_path/--nnx_path)"
-        )
-    num_slices = cfg.num_slices if FLAGS.num_slices is None else FLAGS.num_slices
-    if num_slices != cfg.num_slices:
-        raise BadInput(
-            f"--num_slices={num_slices}: the config's mesh spans {cfg.num_slices} slice(s) "
-            f"(dcn_data_parallelism={cfg.dcn_data_parallelism} x "
-            f"dcn_pipeline_parallelism={cfg.dcn_pipeline_parallelism})"
-        )
-    from parity.tpu import topologies  # no JAX
-
-    return topologies.Target(
-        topologies.check(FLAGS.topology, num_slices, cfg.num_devices), num_slices
-    )
-
-
-def _maxtext_topology_target(config, selected: Sequence[str]):
-    """`--topology` with `--maxtext`: each release's train_compile for the slice, the only
-    check of such a run (the others run on the CPU without it); None without the flag."""
-    if FLAGS.topology is None:
-        if FLAGS.num_slices is not None:
-            raise BadInput("--num_slices: only with --topology")
-        return None
-    if list(selected) != ["compile"]:
-        raise BadInput(
-            "--topology with --maxtext: compiles each release's train step for the slice; "
-            "run it as --checks=compile (the other checks run on the CPU, without --topology)"
-        )
-    from parity.maxtext import gate_config
-    from parity.tpu import topologies  # no JAX
-
-    spans, auto = gate_config.num_slices(config.keys), gate_config.dcn_auto(config.keys)
-    num_slices = FLAGS.num_slices or spans
-    if num_slices != spans and not auto:
-        raise BadInput(
-            f"--num_slices={num_slices}: the config's mesh spans {spans} slice(s) (the product "
-            "of its dcn_* axes)"
-        )
-    topology = topologies.check(FLAGS.topology, num_slices, config.num_devices * num_slices)
-    return topologies.Target(topology, num_slices)
-
-
 def run(argv: Sequence[str]) -> int:
     """The command body; returns the exit status. Bad input anywhere gives a one-line message
     and EXIT_USAGE; other exceptions reach `cli_support.guarded` (in `main`)."""
@@ -344,7 +287,10 @@ def _run(argv: Sequence[str]) -> int:
         cfg, FLAGS.num_processes, FLAGS.process_id, FLAGS.coordinator_address
     )
     processes = FLAGS.num_processes
-    target = _topology_target(cfg, selected, environments is not None or processes > 1)
+    from parity.tpu import topologies  # no JAX
+
+    elsewhere = environments is not None or processes > 1
+    target = topologies.twins_target(cfg, selected, elsewhere, FLAGS.topology, FLAGS.num_slices)
     _check_work(cfg, selected)
     reports = FLAGS.process_id in (None, 0)  # only process 0 writes reports
     outputs = _outputs(cfg.model_name) if reports else None  # creates missing report folders
@@ -435,7 +381,7 @@ def _run_maxtext(positional: Sequence[str]) -> int:
     if isinstance(selected, str):
         return usage_error(selected)
     selected, skipped = gate_config.runnable(selected)  # BadInput when none can run
-    target = _maxtext_topology_target(config, selected)
+    target = gate_config.tpu_target(config, selected, FLAGS.topology, FLAGS.num_slices)
     checkpoint_steps = gate_config.CHECKPOINT_STEPS
     if "checkpoint" in selected and FLAGS["steps"].present:
         if FLAGS.steps < 1:

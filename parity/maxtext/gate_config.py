@@ -366,3 +366,31 @@ def check_tpu_environments(environments: dict[str, Any]) -> None:
             problem = done.stdout.strip() if done.returncode == 0 else done.stderr.strip()[-300:]
             if problem:
                 raise BadInput(f"the {side} side (MaxText {RELEASES[side]}): {problem}")
+
+
+def tpu_target(
+    config: MaxTextConfig, selected: list[str], name: str | None, slices_given: int | None
+) -> Any:
+    """`parity --maxtext CONFIG --topology=name [--num_slices=N]` validated before any worker:
+    each release's train_compile for the slice is the run's only check (the others run on the
+    CPU, without it); the slices are the config's `dcn_*` axes' (a -1 takes the given count).
+    The `parity.tpu.topologies.Target`, or None without the flag."""
+    from parity.tpu import topologies  # no JAX
+
+    if name is None:
+        topologies.no_topology(slices_given)
+        return None
+    if list(selected) != ["compile"]:
+        raise BadInput(
+            "--topology with --maxtext: compiles each release's train step for the slice; "
+            "run it as --checks=compile (the other checks run on the CPU, without --topology)"
+        )
+    spans = num_slices(config.keys)
+    slices = slices_given or spans
+    if slices != spans and not dcn_auto(config.keys):
+        raise BadInput(
+            f"--num_slices={slices}: the config's mesh spans {spans} slice(s) (the product "
+            "of its dcn_* axes)"
+        )
+    topology = topologies.check(name, slices, config.num_devices * slices)
+    return topologies.Target(topology, slices)

@@ -15,6 +15,8 @@ import dataclasses
 import importlib.metadata
 import re
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 from migrate.errors import BadInput
 
@@ -234,3 +236,38 @@ def check(name: str, num_slices: int, devices_needed: int) -> Topology:
     if problem:
         raise BadInput(problem)
     return topology
+
+
+def no_topology(num_slices: int | None) -> None:
+    """Without `--topology`, `--num_slices` has nothing to count."""
+    if num_slices is not None:
+        raise BadInput("--num_slices: only with --topology")
+
+
+def twins_target(
+    cfg: Any, selected: Sequence[str], elsewhere: bool, name: str | None, num_slices: int | None
+) -> Target | None:
+    """`parity CONFIG --topology=name [--num_slices=N]` validated before JAX (the checks it
+    compiles for, the slices against the config's `dcn_*` axes, the devices, libtpu); None
+    without it. `elsewhere`: the sides run in other processes."""
+    if name is None:
+        no_topology(num_slices)
+        return None
+    if not {"compile", "program"} & set(selected):
+        raise BadInput(
+            "--topology: compiles the compile and program checks' programs for the slice; add "
+            "--checks=compile (or program)"
+        )
+    if elsewhere:
+        raise BadInput(
+            "--topology: the TPU compile runs in this process (not with --num_processes, "
+            "--linen_python/--nnx_python or --linen_path/--nnx_path)"
+        )
+    slices = cfg.num_slices if num_slices is None else num_slices
+    if slices != cfg.num_slices:
+        raise BadInput(
+            f"--num_slices={slices}: the config's mesh spans {cfg.num_slices} slice(s) "
+            f"(dcn_data_parallelism={cfg.dcn_data_parallelism} x "
+            f"dcn_pipeline_parallelism={cfg.dcn_pipeline_parallelism})"
+        )
+    return Target(check(name, slices, cfg.num_devices), slices)
