@@ -260,6 +260,8 @@ def _run(argv: Sequence[str]) -> int:
         return usage_error(f"--compilation_cache_dir={cache}: {why}")  # (a default: uncached)
     if FLAGS.maxtext:
         return _run_maxtext(positional)
+    if FLAGS["against"].present:
+        return usage_error("--against: only with --maxtext")
     stored = None
     path = resolve(positional[0])  # a shipped config's name: its file, for workers too
     if FLAGS.checkpoint is None:
@@ -382,6 +384,8 @@ def _run_maxtext(positional: Sequence[str]) -> int:
         return usage_error(selected)
     selected, skipped = gate_config.runnable(selected)  # BadInput when none can run
     target = gate_config.tpu_target(config, selected, FLAGS.topology, FLAGS.num_slices)
+    if target is not None and FLAGS.against != "release":
+        return usage_error("--topology with --maxtext compiles the two releases: not --against")
     checkpoint_steps = gate_config.CHECKPOINT_STEPS
     if "checkpoint" in selected and FLAGS["steps"].present:
         if FLAGS.steps < 1:

@@ -177,3 +177,14 @@ def test_maxtext_0_2_5_against_the_nnx_twin_on_several_layers_per_stage_and_repe
     failed = [r["tensor"] for r in checks["sharding"]["details"] if not r["passed"]]
     assert failed and all(any(p in t for p in PLACEMENTS) for t in failed), failed
     assert not checks["compile"]["passed"]
+
+
+def test_against_is_refused_without_maxtext(capsys):
+    from parity import cli
+
+    argv = cli.FLAGS(["parity", "llama2-tiny", "--against=twin"])
+    try:
+        assert cli.run(argv) == 2
+    finally:
+        cli.FLAGS.unparse_flags()
+    assert "--against: only with --maxtext" in capsys.readouterr().err

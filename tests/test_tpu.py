@@ -303,6 +303,7 @@ def test_a_config_beyond_the_slice_is_reported_with_both_sides(tmp_path):
         (("--topology=v5e-8", "--checks=compile,forward"), "run it as --checks=compile"),
         (("--topology=v5p-8", "--checks=compile"), "has 4 devices but the config's mesh needs 8"),
         (("--topology=v5p-16", "--checks=compile", "--num_slices=2"), "spans 1 slice(s)"),
+        (("--topology=v5e-8", "--checks=compile", "--against=twin"), "not --against"),
     ],
 )
 def test_bad_maxtext_topology_input_is_refused_before_workers(args, message, capsys):
