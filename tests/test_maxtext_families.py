@@ -96,3 +96,38 @@ def test_qwen3s_gradient_difference_is_found_and_named(tmp_path):
     grads = _checks(report)["grads"]
     assert grads["worst"]["where"].endswith("layers/post_self_attention_layer_norm/scale")
     assert 0 < grads["worst"]["value"] < 1e-6
+
+
+def test_a_difference_is_classified_by_tier():
+    eps = float(np.finfo(np.float32).eps)
+    assert compare.tier(0.0) == "bit-exact"
+    assert compare.tier(17.5 * eps) == "reordering"
+    assert compare.tier(65 * eps) == "beyond"
+
+
+@needs_envs
+@pytest.mark.slow
+def test_layers_locates_deepseeks_difference_in_its_dense_layer(tmp_path):
+    """The drill-down runs both releases on the same weights and names, by module path, the
+    first capture that differs: the dense layer's first norm, its input (the embedding)
+    bit-exact; every pipelined capture carries its iteration and stage."""
+    status, report, err = gate(tmp_path, "deepseek.yml", "--checks=layers")
+    assert status == 1, err[-3000:]
+    layers = _checks(report)["layers"]
+    assert layers["worst"]["where"] == "decoder/dense_layers/pre_self_attention_layer_norm"
+    records = [r for r in layers["details"] if "mismatches" in r]
+    assert records[0]["tensor"] == "token_embedder" and records[0]["tier"] == "bit-exact"
+    stages = {(r["iteration"], r["stage"]) for r in records if "iteration" in r}
+    assert stages == {(i, s) for i in range(7) for s in range(4)}
+    assert {r["tier"] for r in records} == {"bit-exact", "reordering"}
+
+
+@needs_envs
+@pytest.mark.slow
+def test_llama4s_sharding_reads_a_program_that_drops_an_unused_input(tmp_path):
+    """Both releases' llama4 programs never read `inputs_position` (jit drops it): the
+    sharding check labels the arrays by path and passes."""
+    status, report, err = gate(tmp_path, "llama4.yml", "--checks=sharding")
+    assert status == 0, err[-3000:]
+    labels = [r["tensor"] for r in _checks(report)["sharding"]["details"]]
+    assert not any("inputs_position" in label for label in labels)

@@ -59,6 +59,14 @@ BF16_RESHAPED = Tolerance(
 )
 
 
+def tier(max_rel: float) -> str:
+    """Which tier a float32 difference holds: `bit-exact`; `reordering` (within
+    `F32_RESHAPED`, what the same math in another order measures); `beyond` (neither)."""
+    if max_rel == 0:
+        return "bit-exact"
+    return "reordering" if max_rel <= F32_RESHAPED.max_rel else "beyond"
+
+
 def twin_tolerance(cfg: Config) -> Tolerance:
     """Tolerance for Linen against NNX: the twins compile to the same program (the `compile`
     check shows the fingerprint), so they are bit-exact in every dtype and matmul precision."""

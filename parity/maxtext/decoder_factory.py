@@ -17,6 +17,10 @@ Options: `framework` (`linen`, `nnx`: a pure decoder of that kind, else `make` r
 `WrongRelease`), `overrides` (MaxText keys), `patch` (`module:function` called first: a test's
 injected bug).
 Imports MaxText only inside `make` (the harness imports this module's name, never MaxText).
+
+Longer than 500 lines: the side and the capture its `layers` drill-down runs (`_Recorder`)
+are one job, served in the release's environment by one worker; the capture wraps the very
+modules this side builds, under its mesh and rules.
 """
 
 from __future__ import annotations
@@ -498,9 +502,9 @@ def _in_scan_broadcast_pass() -> bool:
     frame = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
-        if code.co_name == "body_fn" and code.co_filename.endswith("axes_scan.py"):
-            if frame.f_locals.get("init_mode"):
-                return True
+        in_flax_scan = code.co_name == "body_fn" and code.co_filename.endswith("axes_scan.py")
+        if in_flax_scan and frame.f_locals.get("init_mode"):
+            return True
         frame = frame.f_back
     return False
 

@@ -170,26 +170,95 @@ def start_side(
     return RemoteSide(worker, framework, RELEASES if framework == "nnx" else None)
 
 
-# What MaxText exposes for a drill-down, measured on pp4 with `record_internal_nn_metrics=true`
-# (each decoder layer sows its output's mean, stdev and fraction of zeros): 0.2.5's NNX pipeline
-# returns them per iteration and stage (7 x 4 each), 0.2.3's Linen pipeline returns none (its
-# `intermediates` collection comes back empty). And the decoder layer is the same NNX module in
-# both releases (0.2.3 wraps `LlamaDecoderLayer` with `to_linen_class`), so a layer-by-layer
-# run would compare one code with itself: what migrated is the pipeline and the decoder around
-# it, which `forward` (logits, loss) and `grads` (every parameter) gate whole.
-LAYERS_NOT_EXPOSED = (
-    "MaxText 0.2.3's Linen pipeline returns no intermediates (record_internal_nn_metrics: empty; "
-    "0.2.5 returns per-iteration, per-stage activation statistics), and both releases run the "
-    "same NNX decoder layer: no per-layer or per-iteration drill-down is possible; forward and "
-    "grads gate the pipeline whole"
-)
-
-
 def layers(pair: MaxTextPair) -> Any:
-    """`layers` on MaxText: skipped, saying why (`LAYERS_NOT_EXPOSED`)."""
-    from parity.engine.result import skipped
+    """`layers` on MaxText: both releases run the forward pass on the same weights (the Linen
+    release's own initialisation) and inputs, every module call's output captured in the
+    worker (`decoder_factory.MaxTextSide.captures`: Linen's method interception on 0.2.3's
+    Linen modules, each NNX module's call wrapped on both), compared per module path, per
+    pipeline iteration and stage, in the order the program ran them: the first record that
+    differs is where the releases' values part. Each record names its tier
+    (`compare.tier`); a capture one release alone makes (0.2.3's Linen `Dropout`s) is a note."""
+    import dataclasses
+    import tempfile
+    from pathlib import Path
 
-    return skipped("layers", "max_rel", pair.tolerance.max_rel, LAYERS_NOT_EXPOSED)
+    import numpy as np
+
+    from parity.engine.result import numeric_records, verdict
+    from parity.remote import protocol
+
+    plain = protocol.flatten(pair.linen.plain(pair.weights("linen", "linen")))
+    with tempfile.TemporaryDirectory(prefix="parity-maxtext-layers-") as directory:
+        weights_file = Path(directory) / "weights.npz"
+        np.savez(weights_file, **{"/".join(path): value for path, value in plain.items()})
+        captured = {}
+        for framework in ("linen", "nnx"):
+            worker = pair.side(framework).worker
+            reply = worker.call(
+                "call", method="captures", kwargs={"weights_file": str(weights_file)}
+            )
+            captured[framework] = (worker.receive_tree(reply["tree"])[0], reply["facts"]["order"])
+    (linen, order), (nnx, _) = captured["linen"], captured["nnx"]
+    stages = int(pair.keys.get("ici_pipeline_parallelism", 1)) * int(
+        pair.keys.get("dcn_pipeline_parallelism", 1) or 1
+    )
+    first_pipelined = next((i for i, p in enumerate(order) if "/pipeline_module/" in p), None)
+    calls: dict[str, int] = {}
+    for path, call, _ in linen:
+        calls[path] = max(calls.get(path, 0), int(call) + 1)
+    # Every pipelined module runs once per stage per iteration, some more than once (RoPE):
+    # the fewest calls of a pipelined module are the iterations times the stages.
+    pipelined = [n for p, n in calls.items() if "/pipeline_module/" in p]
+    iterations = max(min(pipelined, default=stages) // stages, 1)
+
+    def place(key: tuple[str, ...]) -> tuple[tuple[int, ...], dict[str, Any], str]:
+        """(data-flow rank, fields, label) of a capture `(module path, call, leaf)`."""
+        path, call, leaf = key[0], int(key[1]), int(key[2])
+        position = order.index(path) if path in order else len(order)
+        label = path + (f" [{leaf}]" if leaf else "")
+        if "/pipeline_module/" in path and stages > 1 and first_pipelined is not None:
+            per_iteration = max(calls.get(path, 0) // iterations, stages)
+            iteration, within = divmod(call, per_iteration)
+            stage = within % stages
+            fields = {"module": path, "iteration": iteration, "stage": stage}
+            return (
+                (first_pipelined, iteration, stage, position, leaf),
+                fields,
+                (f"{label} iteration {iteration} stage {stage}"),
+            )
+        return (
+            (position, -1, -1, call, leaf),
+            {"module": path},
+            label + (f" call {call}" if call else ""),
+        )
+
+    records, notes = [], []
+    for key in sorted(set(linen) | set(nnx), key=lambda k: place(k)[0]):
+        _, fields, label = place(key)
+        if key not in linen or key not in nnx:
+            owner = "Linen (0.2.3)" if key in linen else "NNX (0.2.5)"
+            notes.append(
+                {
+                    "tensor": label,
+                    "passed": True,
+                    "max_rel": 0.0,
+                    **fields,
+                    "note": f"captured on the {owner} side only: nothing to compare",
+                }
+            )
+            continue
+        diff = compare.leaf_diff(label, nnx[key], linen[key], ("NNX", "Linen"))
+        record = numeric_records(label, [dataclasses.replace(diff, path="")], pair.tolerance)[0]
+        records.append(record | fields | {"tier": compare.tier(diff.max_rel)})
+    result = verdict("layers", records, pair.tolerance)
+    parted = [r for r in records if r["max_rel"] > 0]
+    tiers = sorted({r["tier"] for r in parted})
+    held = f"; the differences' tier: {', '.join(tiers)}" if parted else ""
+    return dataclasses.replace(
+        result,
+        message=result.message + held,
+        details=(*records, *notes),
+    )
 
 
 def checkpoint(pair: MaxTextPair) -> Any:
