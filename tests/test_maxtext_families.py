@@ -6,12 +6,16 @@ a family with few checks each (CI time), and in full on the families that hold e
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from test_maxtext import gate, needs_envs
 
+from migrate.errors import BadInput
 from parity.analysis import compare, init_check
 from parity.engine import result
+from parity.maxtext import gate_config, release_pair
 
 EMPTY = np.zeros((64, 0, 128), np.float32)  # one release's stack of no dense layer
 
@@ -88,14 +92,74 @@ def test_deepseeks_empty_dense_stack_is_a_note_and_its_router_rename_is_declared
 
 @needs_envs
 @pytest.mark.slow
-def test_qwen3s_gradient_difference_is_found_and_named(tmp_path):
-    """qwen3's releases part in one gradient (docs/maxtext.md): the gate fails there, at the
-    layer norm whose gradient 0.2.5's program shards otherwise, not anywhere else."""
-    status, report, err = gate(tmp_path, "qwen3.yml", "--checks=grads")
+def test_qwen3s_declared_tier_holds_its_gradient_and_its_sharding_change_fails(tmp_path):
+    """qwen3's releases part in one gradient (docs/maxtext.md): its config declares the
+    reordering tier with the cause; grads and train pass within it, naming that layer norm and
+    why, and the sharding change that causes it still fails the run."""
+    status, report, err = gate(tmp_path, "qwen3.yml", "--checks=grads,sharding,train")
     assert status == 1, err[-3000:]
-    grads = _checks(report)["grads"]
-    assert grads["worst"]["where"].endswith("layers/post_self_attention_layer_norm/scale")
-    assert 0 < grads["worst"]["value"] < 1e-6
+    checks = _checks(report)
+    assert checks["sharding"]["status"] == "failed"
+    assert checks["sharding"]["worst"]["where"].endswith("post_self_attention_layer_norm/scale")
+    for name in ("grads", "train"):
+        check = checks[name]
+        assert check["status"] == "passed", name
+        assert check["worst"]["where"].endswith("layers/post_self_attention_layer_norm/scale")
+        assert 0 < check["worst"]["value"] < 2e-7
+        declared = check["details"][0]
+        assert declared["tier"] == declared["held"] == "reordering", name
+        assert "shard_mode" in declared["why"] and "why: " in check["message"]
+
+
+FAMILY = "maxtext:\n  decoder_block: qwen3\n"
+
+
+@pytest.mark.parametrize(
+    ("gate", "fragment"),
+    [
+        ("gate:\n  tier: loose\n  why: x\n", "tier='loose': must be one of ['bit-exact'"),
+        ("gate:\n  tier: reordering\n", "tier reordering needs `why`"),
+        ("gate:\n  tier: reordering\n  why: '  '\n", "needs `why`"),
+        ("gate:\n  tier: reordering\n  why: x\n  max_rel: 1\n", "unknown keys ['max_rel']"),
+        ("gate: reordering\n", "gate: must be a mapping"),
+        ("tier: reordering\n", "unknown top-level keys ['tier']"),
+    ],
+)
+def test_a_declared_tier_is_read_strictly(tmp_path, gate, fragment):
+    """Only a tier `compare.TIERS` knows, with the reason written beside it; nothing else."""
+    path = tmp_path / "family.yml"
+    path.write_text(FAMILY + gate)
+    with pytest.raises(BadInput, match=re.escape(fragment)):
+        gate_config.load(path, [])
+
+
+def test_a_declared_tier_holds_the_numeric_checks_and_says_why(tmp_path):
+    """qwen3's config declares `reordering` with its cause; the pair's numeric checks hold to
+    it, and a result says which tier it held and why (a record and the message)."""
+    config = gate_config.load(gate_config.loading.resolve("qwen3", "maxtext"), [])
+    assert config.declared.tier == "reordering" and "shard_mode" in config.declared.why
+    tol = release_pair.tolerance(config)
+    assert tol.max_rel == compare.F32_RESHAPED.max_rel and "declared tier" in tol.reason
+    assert release_pair.tolerance(gate_config.load("pp4", [])) is compare.EXACT
+    eps = float(np.finfo(np.float32).eps)
+    linen = {"scale": np.ones(4, np.float32), "w": np.ones(2, np.float32)}
+    nnx = {"scale": np.ones(4, np.float32) * (1 + eps), "w": np.ones(2, np.float32)}
+    records = result.keyed_records("grads", nnx, linen, tol)
+    checked = release_pair.with_tiers(result.verdict("grads", records, tol), config.declared)
+    assert checked.passed
+    first, *rest = checked.details
+    assert first["tensor"] == "declared tier" and first["held"] == "reordering"
+    assert first["why"] == config.declared.why
+    assert {r["tensor"]: r["tier"] for r in rest} == {
+        "grads/scale": "reordering",
+        "grads/w": "bit-exact",
+    }
+    assert "held: reordering" in checked.message and "why: 0.2.5's" in checked.message
+    # undeclared: the records carry their tier, the message is the tolerance's alone
+    exact = result.keyed_records("grads", nnx, linen, compare.EXACT)
+    plain = release_pair.with_tiers(result.verdict("grads", exact, compare.EXACT), None)
+    assert not plain.passed and plain.message == "required: " + compare.EXACT.reason
+    assert [r["tier"] for r in plain.details] == ["reordering", "bit-exact"]
 
 
 def test_a_difference_is_classified_by_tier():

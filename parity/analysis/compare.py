@@ -4,6 +4,9 @@ Metrics per leaf: max abs error; max relative error measured against the referen
 largest magnitude (`max|a-b| / max|b|`, which stays meaningful where single elements are near
 zero); the same expressed in units of float32 epsilon ("ulp at scale"); the count of elements
 that differ at all; NaN/Inf on either side. NaN or Inf anywhere always fails.
+
+Imported without JAX (JAX is imported where a tree is walked or an array fetched): the MaxText
+gate validates a config's declared tier (`TIERS`) before JAX starts.
 """
 
 from __future__ import annotations
@@ -12,11 +15,9 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-import jax
 import numpy as np
 
 from migrate.config.contract import Config
-from parity.multiprocess.distributed import to_host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,12 +60,15 @@ BF16_RESHAPED = Tolerance(
 )
 
 
+# The tiers a float32 difference is classified by, and a gate config may declare (the MaxText
+# gate's `gate: {tier: ...}`), loosest last.
+TIERS = {"bit-exact": EXACT, "reordering": F32_RESHAPED}
+
+
 def tier(max_rel: float) -> str:
     """Which tier a float32 difference holds: `bit-exact`; `reordering` (within
     `F32_RESHAPED`, what the same math in another order measures); `beyond` (neither)."""
-    if max_rel == 0:
-        return "bit-exact"
-    return "reordering" if max_rel <= F32_RESHAPED.max_rel else "beyond"
+    return next((name for name, tol in TIERS.items() if max_rel <= tol.max_rel), "beyond")
 
 
 def twin_tolerance(cfg: Config) -> Tolerance:
@@ -136,6 +140,8 @@ class TreeMismatch(ValueError):
 def leaf_diff(
     path: str, actual: Any, expected: Any, labels: tuple[str, str] | None = None
 ) -> LeafDiff:
+    from parity.multiprocess.distributed import to_host
+
     a, b = np.asarray(to_host(actual)), np.asarray(to_host(expected))
     if a.shape != b.shape:
         first, second = labels or ("", "")
@@ -167,6 +173,8 @@ def compare_trees(
 ) -> list[LeafDiff]:
     """One LeafDiff per leaf; the two trees must have the same structure. `labels` name the
     two sides in a mismatch's message (`('NNX', 'Linen')`)."""
+    import jax
+
     flat_a, tree_a = jax.tree_util.tree_flatten_with_path(actual)
     flat_b, tree_b = jax.tree_util.tree_flatten_with_path(expected)
     if tree_a != tree_b:

@@ -12,6 +12,13 @@ as `base_num_decoder_layers=-4` and would gate it. Other keys are left to the re
       decoder_block: llama2
       ici_pipeline_parallelism: 4
       ...
+
+A family whose releases compute the same math in another order may declare the tier its numeric
+checks are held to, beside the located cause (`gate:`; bit-exact when absent):
+
+    gate:
+      tier: reordering          # a name of `parity.analysis.compare.TIERS`
+      why: the measured errors, where they come from (both releases' source lines)
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import numpy as np
 from migrate.config import loading, safe_load
 from migrate.config.bounds import INT_BOUNDS, MAX_PER_DEVICE_BATCH, short_repr
 from migrate.errors import BadInput
+from parity.analysis import compare
 from parity.decoder import catalog
 from parity.maxtext import build_envs
 from parity.reports.progress import progress
@@ -40,9 +48,9 @@ RELEASES = {"linen": "0.2.3", "nnx": "0.2.5"}
 CHECKS = ("roundtrip", "init", "forward", "grads", "sharding", "train", "compile")  # the default
 # The checks this gate computes its own way (the decoder's read the twins' functions directly):
 # `compile` from the programs the workers compiled (`parity.maxtext.compile_check`); `layers`
-# says what MaxText does not expose (`release_pair.LAYERS_NOT_EXPOSED`); `checkpoint` (on
-# request: MaxText's own train.py writes, each release restores and trains one more step,
-# `parity.maxtext.checkpoint_gate`) exists only here.
+# from every module call's output captured in each release's worker (`release_pair.layers`);
+# `checkpoint` (on request: MaxText's own train.py writes, each release restores and trains
+# one more step, `parity.maxtext.checkpoint_gate`) exists only here.
 OWN_CHECKS = ("compile", "layers", "checkpoint")
 CHECK_NAMES = (*catalog.CHECK_NAMES, "checkpoint")  # what --checks may name with --maxtext
 ICI = re.compile(r"^ici_(\w+)_parallelism$")
@@ -66,14 +74,27 @@ DTYPE_KEYS = ("dtype", "weight_dtype", "grad_dtype", "mu_dtype")
 MATMUL_PRECISIONS = ("default", "high", "highest")
 
 
+GATE_KEYS = ("tier", "why")  # a config's `gate:` mapping: both required
+
+
+@dataclasses.dataclass(frozen=True)
+class DeclaredTier:
+    """A family's declared tier (a name of `compare.TIERS`) and why its releases differ."""
+
+    tier: str
+    why: str
+
+
 @dataclasses.dataclass(frozen=True)
 class MaxTextConfig:
     """What the harness needs of a MaxText gate run: the keys both sides build from, a name for
-    reports, and the device count of MaxText's mesh (the product of its `ici_*` axes)."""
+    reports, the device count of MaxText's mesh (the product of its `ici_*` axes), and the
+    tier the config declares (None: bit-exact)."""
 
     model_name: str
     keys: dict[str, Any]
     num_devices: int
+    declared: DeclaredTier | None = None
 
     @property
     def stages(self) -> int:
@@ -94,15 +115,38 @@ class MaxTextConfig:
         return f"MaxText {self.model_name}: {self.num_devices} devices, {shown}"
 
 
-def _read(path: Path) -> dict[str, Any]:
+def _read(path: Path) -> tuple[dict[str, Any], DeclaredTier | None]:
+    """(the config's MaxText keys, its declared tier or None)."""
     text = safe_load.read_text(path, MAX_BYTES, "MaxText config")
     values = safe_load.load_yaml(text, str(path))
     if not isinstance(values, dict) or not isinstance(values.get("maxtext"), dict):
         raise BadInput(f"{path}: a MaxText config is a mapping with a `maxtext:` mapping of keys")
-    unknown = sorted(set(values) - {"maxtext"})
+    unknown = sorted(set(values) - {"maxtext", "gate"})
     if unknown:
-        raise BadInput(f"{path}: unknown top-level keys {unknown} (MaxText's go under maxtext:)")
-    return dict(values["maxtext"])
+        raise BadInput(
+            f"{path}: unknown top-level keys {unknown} (MaxText's go under maxtext:, the "
+            "declared tier under gate:)"
+        )
+    return dict(values["maxtext"]), _declared(path, values["gate"]) if "gate" in values else None
+
+
+def _declared(path: Path, gate: Any) -> DeclaredTier:
+    """A `gate:` mapping read strictly: a known tier and a non-empty `why`, nothing else."""
+    if not isinstance(gate, dict):
+        raise BadInput(f"{path}: gate: must be a mapping of {', '.join(GATE_KEYS)}")
+    unknown = sorted(str(k) for k in set(gate) - set(GATE_KEYS))
+    if unknown:
+        raise BadInput(f"{path}: gate: unknown keys {unknown} (known: {', '.join(GATE_KEYS)})")
+    tier, why = gate.get("tier"), gate.get("why")
+    if tier not in compare.TIERS:
+        raise BadInput(
+            f"{path}: gate: tier={short_repr(tier)}: must be one of {list(compare.TIERS)}"
+        )
+    if not isinstance(why, str) or not why.strip():
+        raise BadInput(
+            f"{path}: gate: tier {tier} needs `why`: the measured errors and their located cause"
+        )
+    return DeclaredTier(tier, " ".join(why.split()))
 
 
 def load(path: str | Path, overrides: list[str]) -> MaxTextConfig:
@@ -112,8 +156,9 @@ def load(path: str | Path, overrides: list[str]) -> MaxTextConfig:
     if not path.exists() and not path.is_symlink():
         raise BadInput(loading.not_found(path, "maxtext"))
     base = loading.base_config_path(path, "maxtext")
-    keys = _read(base) if base.resolve() != path.resolve() else {}
-    keys.update(_read(path))
+    keys = _read(base)[0] if base.resolve() != path.resolve() else {}
+    own, declared = _read(path)
+    keys.update(own)
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -138,7 +183,7 @@ def load(path: str | Path, overrides: list[str]) -> MaxTextConfig:
             f"{path}: per_device_batch_size={keys['per_device_batch_size']} on {devices} "
             "devices: a global batch of no row"
         )
-    return MaxTextConfig(Path(path).stem, keys, devices)
+    return MaxTextConfig(Path(path).stem, keys, devices, declared)
 
 
 def _is_int(value: Any) -> bool:

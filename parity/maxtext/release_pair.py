@@ -59,8 +59,47 @@ RELEASES = WeightMap(
 # forwarding delay and ag-per-repeat with two microbatches per stage included (max_rel 0 in
 # `forward`, `grads` and `train`; docs/maxtext.md). A hand probe had seen 1.5e-7 relative with
 # M > S; with both releases' parameters placed by their logical names (as MaxText's trainer
-# places them, `MaxTextSide.own_weights`) the difference is gone, so no looser tier exists.
+# places them, `MaxTextSide.own_weights`) the difference is gone, so no looser tier exists by
+# default. A family config may declare one beside its located cause (`gate:`, `tolerance`).
 TOLERANCE = compare.EXACT
+NUMERIC_CHECKS = ("forward", "grads", "train", "layers")  # held to the pair's tolerance
+
+
+def tolerance(config: MaxTextConfig) -> compare.Tolerance:
+    """The tier `config` declares (`gate_config.DeclaredTier`), else `TOLERANCE`."""
+    if config.declared is None:
+        return TOLERANCE
+    tier = compare.TIERS[config.declared.tier]
+    return compare.Tolerance(tier.max_rel, f"declared tier {config.declared.tier}: {tier.reason}")
+
+
+def with_tiers(result: Any, declared: gate_config.DeclaredTier | None) -> Any:
+    """A numeric check's result with each compared record's `tier` (`compare.tier`) and, where
+    the config declares a tier, a first record `declared tier` (`tier`, `why`, and `held`: the
+    tier of the check's largest difference) and both in the message."""
+    import dataclasses
+
+    if result.metric != "max_rel" or result.status not in ("passed", "failed"):
+        return result
+    details = tuple(
+        r | {"tier": compare.tier(r["max_rel"])} if "ulp_at_scale" in r and "tier" not in r else r
+        for r in result.details
+    )
+    if declared is None:
+        return dataclasses.replace(result, details=details)
+    numeric = [r for r in details if "ulp_at_scale" in r]
+    worst = max(numeric, key=lambda r: r["max_rel"], default={"max_rel": 0.0, "ulp_at_scale": 0})
+    held, ulp = compare.tier(worst["max_rel"]), worst["ulp_at_scale"]
+    record = {
+        "tensor": "declared tier",
+        "passed": True,
+        "max_rel": 0.0,
+        "tier": declared.tier,
+        "why": declared.why,
+        "held": held,
+    }
+    message = f"{result.message}; held: {held} ({ulp:.3g} ulp at scale); why: {declared.why}"
+    return dataclasses.replace(result, details=(record, *details), message=message)
 
 
 class MaxTextPair(Pair):
@@ -93,7 +132,7 @@ class MaxTextPair(Pair):
             self.workers[framework] = side.worker
         with self.workers.closed_on_failure():  # one side failed: the other one stops too
             sides = [started.get(f) or self._side(f) for f in ("linen", "nnx")]
-        super().__init__(*sides, TOLERANCE)
+        super().__init__(*sides, tolerance(config))
 
     def sides(self) -> dict[str, dict[str, Any]]:
         """Per side, what its worker runs: MaxText's, Python's, JAX's and flax's versions, and
@@ -109,10 +148,22 @@ class MaxTextPair(Pair):
 
     @property
     def own_checks(self) -> dict[str, Any]:
-        """The checks this pair computes its own way (`gate_config.OWN_CHECKS`)."""
+        """The checks this pair computes its own way (`gate_config.OWN_CHECKS`), and the
+        numeric ones with each record's tier and the config's declared one (`with_tiers`)."""
+        from parity.decoder.checks import CHECKS
         from parity.maxtext import compile_check
 
-        return {"compile": compile_check.compile_check, "layers": layers, "checkpoint": checkpoint}
+        own = {**CHECKS, "layers": layers}
+        declared = self.config.declared
+
+        def tiered(name: str) -> Any:
+            return lambda pair, *args: with_tiers(own[name](pair, *args), declared)
+
+        return {
+            **{name: tiered(name) for name in NUMERIC_CHECKS},
+            "compile": compile_check.compile_check,
+            "checkpoint": checkpoint,
+        }
 
     def batch(self, step: int = 0, split: str = "train") -> dict:
         return batch(self.keys, self.devices, self.seed, step, split)
