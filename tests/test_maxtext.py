@@ -77,21 +77,33 @@ def linen_release():
 
 @needs_envs
 @pytest.mark.parametrize(
-    ("bug", "check", "where", "unmoved"),
+    ("bug", "check", "where", "unmoved", "inside"),
     [
-        ("wrong_norm_axis_name", "init", "decoder/decoder_norm/scale: names", None),
-        ("scaled_logits", "forward", "logits", None),
+        ("wrong_norm_axis_name", "init", "decoder/decoder_norm/scale: names", None, None),
+        # a value bug: `layers` names the module whose output first differs
+        ("scaled_logits", "forward", "logits", None, "decoder"),
         # the folded 1/sqrt(head_dim) dropped: each release's own init differs there; run on
         # the same weights the two compute the same logits
-        ("dropped_query_scale", "init", "self_attention/query/kernel", "forward"),
+        ("dropped_query_scale", "init", "self_attention/query/kernel", "forward", None),
         # the same numbers, more memory: only the compile check sees it
-        ("saved_everything_in_the_pipeline", "compile", "temp_bytes", "forward"),
-        ("reversed_stage_order", "forward", "logits", None),
+        ("saved_everything_in_the_pipeline", "compile", "temp_bytes", "forward", None),
+        # the first pipelined module whose weights differ between stages (the norms' scales
+        # are all ones at initialisation), in the first iteration's first stage
+        (
+            "reversed_stage_order",
+            "forward",
+            "logits",
+            None,
+            "decoder/pipeline_module/layers/self_attention/query iteration 0 stage 0",
+        ),
     ],
 )
 def test_a_bug_injected_in_the_nnx_release_is_caught_at_its_place(
-    bug, check, where, unmoved, linen_release
+    bug, check, where, unmoved, inside, linen_release
 ):
+    """Each bug fails the check that sees it, at its place; a value bug is also located by
+    `layers` at a module path inside the model (a pipelined one with its iteration and
+    stage), and the check that cannot see it passes."""
     from parity.engine import numeric
     from parity.maxtext import compile_check
     from parity.maxtext.release_pair import MaxTextPair
@@ -113,12 +125,17 @@ def test_a_bug_injected_in_the_nnx_release_is_caught_at_its_place(
     try:
         result = table[check](pair)
         control = table[unmoved](pair) if unmoved else None
+        located = pair.own_checks["layers"](pair) if inside else None
     finally:
         pair.workers["nnx"].close()
     assert result.status == "failed", result.message
     assert where in result.where, result.where
     if control is not None:
         assert control.status == "passed", control.message
+    if located is not None:
+        assert located.status == "failed" and located.where == inside, located.where
+        (first,) = [r for r in located.details if r["tensor"] == inside]
+        assert first["tier"] == "beyond" and first["module"] == inside.split(" ")[0]
 
 
 def test_a_maxtext_config_is_validated_before_jax(tmp_path):

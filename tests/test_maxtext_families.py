@@ -105,7 +105,7 @@ def test_qwen3s_declared_tier_holds_its_gradient_and_its_sharding_change_fails(t
         check = checks[name]
         assert check["status"] == "passed", name
         assert check["worst"]["where"].endswith("layers/post_self_attention_layer_norm/scale")
-        assert 0 < check["worst"]["value"] < 2e-7
+        assert 0 < check["worst"]["value"] < 1e-6
         declared = check["details"][0]
         assert declared["tier"] == declared["held"] == "reordering", name
         assert "shard_mode" in declared["why"] and "why: " in check["message"]
@@ -174,12 +174,15 @@ def test_a_difference_is_classified_by_tier():
 def test_layers_locates_deepseeks_difference_in_its_dense_layer(tmp_path):
     """The drill-down runs both releases on the same weights and names, by module path, the
     first capture that differs: the dense layer's first norm, its input (the embedding)
-    bit-exact; every pipelined capture carries its iteration and stage."""
+    bit-exact; every pipelined capture carries its iteration and stage. Every difference holds
+    the reordering tier deepseek.yml declares with that cause."""
     status, report, err = gate(tmp_path, "deepseek.yml", "--checks=layers")
-    assert status == 1, err[-3000:]
+    assert status == 0, err[-3000:]
     layers = _checks(report)["layers"]
-    assert layers["worst"]["where"] == "decoder/dense_layers/pre_self_attention_layer_norm"
+    assert layers["details"][0]["held"] == layers["details"][0]["tier"] == "reordering"
     records = [r for r in layers["details"] if "mismatches" in r]
+    first = next(r for r in records if r["max_rel"] > 0)
+    assert first["tensor"] == "decoder/dense_layers/pre_self_attention_layer_norm"
     assert records[0]["tensor"] == "token_embedder" and records[0]["tier"] == "bit-exact"
     stages = {(r["iteration"], r["stage"]) for r in records if "iteration" in r}
     assert stages == {(i, s) for i in range(7) for s in range(4)}
