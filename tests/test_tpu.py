@@ -16,11 +16,10 @@ from pathlib import Path
 import jax
 import pytest
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding, PartitionSpec
 from test_cli import REPO, parity_command
+from test_injected_bugs import train_step_not_donated
 
 import migrate.nnx.pipeline as nnx_pipeline
-import migrate.nnx.train as nnx_train
 from migrate.common import axes
 from migrate.errors import BadInput
 from parity import cli
@@ -247,23 +246,10 @@ def test_a_memory_regression_is_found_at_its_place(tmp_path, monkeypatch, fresh_
     assert temp["nnx"] > temp["linen"] * 1.01
 
 
-def not_donated(monkeypatch):
-    def jit_train_step(step, state_shardings, batch_sharding):
-        params, opt_state = state_shardings
-        replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
-        return jax.jit(
-            step,
-            in_shardings=(params, opt_state, batch_sharding),
-            out_shardings=(params, opt_state, replicated),
-        )
-
-    monkeypatch.setattr(nnx_train, "jit_train_step", jit_train_step)
-
-
 @pytest.mark.slow
 @needs_libtpu
 def test_a_side_that_does_not_fit_the_chip_is_named(tmp_path, monkeypatch, fresh_nnx):
-    not_donated(monkeypatch)
+    train_step_not_donated(monkeypatch)  # the injected bug of the CPU compile check
     status, report = run_cli(
         tmp_path, "llama2-tiny", *EDGE_OF_V5E, "--checks=compile", "--topology=v5e-8"
     )
