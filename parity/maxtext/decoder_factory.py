@@ -26,6 +26,7 @@ modules this side builds, under its mesh and rules.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import os
 import re
@@ -106,6 +107,7 @@ class MaxTextSide:
         schedule = maxtext_utils.create_learning_rate_schedule(config)
         self.tx = optimizers.get_optimizer(config, schedule)
         self._own: Any = None
+        self._forward_backward: Any = None
         self._programs: dict[int, tuple[Any, Any, Any]] = {}
 
     # ------------------------------------------------------------ building
@@ -274,14 +276,18 @@ class MaxTextSide:
         return jnp.sum(xent * mask) / jnp.sum(mask), logits
 
     def _grad_fn(self) -> Any:
+        """The jitted forward and backward (one per side: every run reuses its program)."""
         import jax
         import optax
 
-        def forward_backward(plain: Any, batch: Any) -> Any:
-            (loss, logits), grads = jax.value_and_grad(self._loss, has_aux=True)(plain, batch)
-            return loss, logits, grads, optax.global_norm(grads)
+        if self._forward_backward is None:
 
-        return jax.jit(forward_backward)
+            def forward_backward(plain: Any, batch: Any) -> Any:
+                (loss, logits), grads = jax.value_and_grad(self._loss, has_aux=True)(plain, batch)
+                return loss, logits, grads, optax.global_norm(grads)
+
+            self._forward_backward = jax.jit(forward_backward)
+        return self._forward_backward
 
     def run(self, weights: Any) -> Any:
         import jax
@@ -356,7 +362,72 @@ class MaxTextSide:
     def drill_stages(self, weights: Any) -> list:
         return []
 
-    remote_methods = ("captures",)
+    remote_methods = ("captures", "pipeline_reference")
+
+    def layout(self) -> Any:
+        """How this release places the pipelined decoder's layers (`pipeline_layout.Layout`),
+        from its own config's derived counts."""
+        from parity.maxtext import pipeline_layout
+
+        config = self.config
+        deepseek = str(config.decoder_block).lower().endswith("deepseek")
+        layers = config.num_decoder_layers - (config.first_num_dense_layers if deepseek else 0)
+        return pipeline_layout.Layout(
+            stages=config.ici_pipeline_parallelism * max(config.dcn_pipeline_parallelism, 1),
+            repeats=config.num_pipeline_repeats,
+            per_stage=config.num_layers_per_pipeline_stage,
+            pipelined=config.pipeline_parallel_layers,
+            layers=layers,
+            scan_axis=config.param_scan_axis,
+            moe_first=deepseek,
+        )
+
+    def pipeline_reference(
+        self, weights_file: str, overrides: dict[str, Any]
+    ) -> tuple[dict[tuple[str, ...], Any], dict[str, Any]]:
+        """This release's pipelined decoder against its own decoder without pipelining
+        (`overrides`: `pipeline_layout.reference_overrides` of this side's keys, built in this
+        worker beside the pipelined one), on the weights in `weights_file` (an `.npz` of the
+        common form's plain arrays by `/`-joined path: the pipelined layout) re-laid as the
+        reference's layer stack (`pipeline_layout.to_reference`), on the same batch: each
+        run's loss, logits, global gradient norm and gradients, the reference's gradients laid
+        back on the pipelined paths. Arrays keyed `(run, part, *path)`, run `pipelined` or
+        `reference`; facts: the layout, the reference's mesh."""
+        import jax
+        import numpy as np
+
+        from parity.maxtext import pipeline_layout
+
+        with np.load(weights_file) as stored:
+            flat = {tuple(key.split("/")): stored[key] for key in stored.files}
+        layout = self.layout()
+        reference_flat = pipeline_layout.to_reference(flat, layout)
+        from maxtext.configs import pyconfig
+        from maxtext.utils import maxtext_utils
+
+        config = pyconfig.initialize([None, _base_yml()], **{**DEFAULTS, **overrides})
+        mesh = maxtext_utils.get_mesh_from_config(config)
+        reference, _ = _on_mesh(self.framework, config, mesh, jax.device_get(self.batch))
+        arrays: dict[tuple[str, ...], Any] = {}
+        for name, side, weights in (
+            ("pipelined", self, flat),
+            ("reference", reference, reference_flat),
+        ):
+            plain = side._plain_params(side.from_common(protocol.nest(weights)))
+            with side._context():
+                loss, logits, grads, norm = side._grad_fn()(plain, side.batch)
+            loss, logits, grads, norm = jax.device_get((loss, logits, grads, norm))
+            grads = _flat(grads)
+            if name == "reference":
+                grads = pipeline_layout.from_reference(grads, layout, list(flat))
+            arrays |= {(name, "loss"): np.asarray(loss), (name, "logits"): np.asarray(logits)}
+            arrays |= {(name, "grad_norm"): np.asarray(norm)}
+            arrays |= {(name, "grads", *path): np.asarray(g) for path, g in grads.items()}
+        facts = {
+            "layout": dataclasses.asdict(layout),
+            "reference_mesh": dict(reference.mesh.shape),
+        }
+        return arrays, facts
 
     def captures(self, weights_file: str) -> tuple[dict[tuple[str, ...], Any], dict[str, Any]]:
         """The forward pass on the weights in `weights_file` (an `.npz` of the common form's
@@ -573,22 +644,32 @@ def make(options: dict[str, Any], batch: Any) -> tuple[MaxTextSide, Any]:
     if options.get("patch"):
         module_name, _, function = options["patch"].partition(":")
         getattr(importlib.import_module(module_name), function)()
-    import jax
-    import maxtext
-    from jax.sharding import NamedSharding, PartitionSpec
     from maxtext.configs import pyconfig
     from maxtext.utils import maxtext_utils
 
-    base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
-    config = pyconfig.initialize([None, base], **{**DEFAULTS, **options.get("overrides", {})})
+    overrides = {**DEFAULTS, **options.get("overrides", {})}
+    config = pyconfig.initialize([None, _base_yml()], **overrides)
     mesh = maxtext_utils.get_mesh_from_config(config)
-    data = NamedSharding(mesh, PartitionSpec(*[tuple(a) for a in config.data_sharding]))
-
-    place_batch = lambda host: {k: jax.device_put(v, data) for k, v in host.items()}
-    side = MaxTextSide(options["framework"], config, mesh, place_batch(batch))
+    side, place_batch = _on_mesh(options["framework"], config, mesh, batch)
     with side._context():  # a release that builds the other kind of decoder: bad input
         _check_release(options["framework"], config, mesh, batch["inputs"].shape)
     return side, place_batch
+
+
+def _base_yml() -> str:
+    import maxtext
+
+    return os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
+
+
+def _on_mesh(framework: str, config: Any, mesh: Any, batch: Any) -> tuple[MaxTextSide, Any]:
+    """The side of a MaxText config on its mesh, and how to place a host batch there."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    data = NamedSharding(mesh, PartitionSpec(*[tuple(a) for a in config.data_sharding]))
+    place_batch = lambda host: {k: jax.device_put(v, data) for k, v in host.items()}
+    return MaxTextSide(framework, config, mesh, place_batch(batch)), place_batch
 
 
 class WrongRelease(ValueError):
@@ -631,7 +712,13 @@ def _check_release(framework: str, config: Any, mesh: Any, shape: tuple) -> None
                     inside.append(f"{where}: {type(leaf).__name__}")
     else:
         rngs = lambda: nnx.Rngs(params=0, dropout=1, aqt=2)  # made inside the abstract trace
-        model = nnx.eval_shape(lambda: creation.from_config(config, mesh=mesh, rngs=rngs()))
+        # Shapes only, on a one-device mesh: under MaxText's mesh `nnx.eval_shape` gives
+        # each abstract Variable a sharding resolved as NNX resolves names (an unmatched one
+        # as a mesh axis), and 0.2.5 names the axis of the layers after a pipelined subset
+        # `layers_outside_pipeline`, which no rule maps (its real build places them by its
+        # rules, as MaxText's trainer does).
+        with jax.set_mesh(jax.make_mesh((1,), ("none",), devices=jax.devices()[:1])):
+            model = nnx.eval_shape(lambda: creation.from_config(config, mesh=mesh, rngs=rngs()))
         if not isinstance(model, nnx.Module):
             raise WrongRelease(f"{side} {type(model).__name__}, not an NNX module")
         # The decoder itself: 0.2.5's NNX decoder wraps Linen leaves of its own (AQT, TE).

@@ -45,13 +45,16 @@ MAX_BYTES = 1 << 16
 REQUIRED = ("per_device_batch_size", "max_target_length", "vocab_size")
 # The releases the weight map knows, and where `make maxtext-envs` puts each one.
 RELEASES = {"linen": "0.2.3", "nnx": "0.2.5"}
-CHECKS = ("roundtrip", "init", "forward", "grads", "sharding", "train", "compile")  # the default
+# The default checks of `parity --maxtext`.
+CHECKS = ("roundtrip", "init", "forward", "grads", "pipeline", "sharding", "train", "compile")
 # The checks this gate computes its own way (the decoder's read the twins' functions directly):
-# `compile` from the programs the workers compiled (`parity.maxtext.compile_check`); `layers`
+# `pipeline`, each release against its own decoder without pipelining, in its worker
+# (`parity.maxtext.oracle`); `compile` from the programs the workers compiled
+# (`parity.maxtext.compile_check`); `layers`
 # from every module call's output captured in each release's worker (`release_pair.layers`);
 # `checkpoint` (on request: MaxText's own train.py writes, each release restores and trains
 # one more step, `parity.maxtext.checkpoint_gate`) exists only here.
-OWN_CHECKS = ("compile", "layers", "checkpoint")
+OWN_CHECKS = ("pipeline", "compile", "layers", "checkpoint")
 CHECK_NAMES = (*catalog.CHECK_NAMES, "checkpoint")  # what --checks may name with --maxtext
 ICI = re.compile(r"^ici_(\w+)_parallelism$")
 DCN = re.compile(r"^dcn_(\w+)_parallelism$")

@@ -151,7 +151,7 @@ class MaxTextPair(Pair):
         """The checks this pair computes its own way (`gate_config.OWN_CHECKS`), and the
         numeric ones with each record's tier and the config's declared one (`with_tiers`)."""
         from parity.decoder.checks import CHECKS
-        from parity.maxtext import compile_check
+        from parity.maxtext import compile_check, oracle
 
         own = {**CHECKS, "layers": layers}
         declared = self.config.declared
@@ -161,6 +161,7 @@ class MaxTextPair(Pair):
 
         return {
             **{name: tiered(name) for name in NUMERIC_CHECKS},
+            "pipeline": oracle.pipeline,
             "compile": compile_check.compile_check,
             "checkpoint": checkpoint,
         }

@@ -343,9 +343,12 @@ class TwinPair(MaxTextPair):
 
     @property
     def own_checks(self) -> dict[str, Any]:
-        from parity.maxtext import compile_check
+        from parity.maxtext import compile_check, oracle
 
-        return {"compile": compile_check.compile_check}
+        return {
+            "compile": compile_check.compile_check,
+            "pipeline": lambda pair: oracle.pipeline(pair, ("nnx",)),  # the release's own
+        }
 
 
 def run_gate(
