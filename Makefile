@@ -61,10 +61,11 @@ test: install
 	@if [ "$(PYVER)" = "3.12" ]; then $(MAKE) --no-print-directory maxtext-envs || echo "MaxText environments not built"; fi
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist=worksteal $(LAYER) $(PYTEST_ARGS)
 
-# The tests that start no end-to-end run (no `parity` or `migrate` command, no worker process, no
-# compile of the whole decoder): the loop while editing; tests/conftest.py fails one that does.
+# The tests not marked `slow`, which start no end-to-end run (no `parity` or `migrate` command,
+# no worker process, no compile of the whole decoder): the loop while editing. tests/conftest.py
+# fails a test not marked `slow` that starts one, in this run and in `make test` alike.
 test-fast: install
-	PARITY_FAST_LAYER=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist=worksteal -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist=worksteal -m "not slow" $(PYTEST_ARGS)
 
 PARITY_ARGS ?= --checks=all
 

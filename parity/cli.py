@@ -376,7 +376,7 @@ def _run_maxtext(positional: Sequence[str]) -> int:
             "not with --maxtext"
         )
     path = resolve(positional[0], "maxtext")
-    config = gate_config.load(path, positional[1:])
+    config = gate_config.load(path, positional[1:], FLAGS.topology, FLAGS.num_slices)
     progress(f"config {path} over {base_config_path(path, 'maxtext')}")
     given = FLAGS.checks is not None  # `--checks=` (empty) is refused, as without --maxtext
     selected = _select_checks(gate_config.CHECK_NAMES) if given else list(gate_config.CHECKS)
@@ -447,7 +447,8 @@ def _run_maxtext(positional: Sequence[str]) -> int:
         )
     report.render_table(results, config.model_name, costs=costs)
     status = max(EXIT_STATUS[r.status] for r in results)
-    return max(status, outputs.write(results, config.model_name, costs, {"sides": sides}))
+    extra = {"sides": sides, "mesh": config.mesh, "mesh_filled": list(config.filled)}
+    return max(status, outputs.write(results, config.model_name, costs, extra))
 
 
 def main() -> None:

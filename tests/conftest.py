@@ -68,22 +68,34 @@ def _compiled_programs_within_the_map_limit():
     testing.free_compiled_programs_near_map_limit()
 
 
-# `make test-fast` (PARITY_FAST_LAYER=1): the tests not marked `slow` start no end-to-end run.
-# One that does (a parity or migrate command, a worker process, a whole decoder built for a
-# pair or compiled) fails there, saying to mark it `slow`, instead of slowing the loop quietly.
-FAST_LAYER = os.environ.get("PARITY_FAST_LAYER") == "1"
+# A test not marked `slow` starts no end-to-end run: one that does (a python, parity or migrate
+# process, a worker, the parity command in-process, a whole decoder built for a pair, compiled
+# or its train state initialised) fails, in every run (`make test`, `make test-fast`, a plain
+# pytest), saying to mark it `slow`: `make test-fast` (-m "not slow") stays the fast layer.
+# (tests/test_slow_guard.py holds the guard to that.) Its cost is a few attribute swaps a test.
+PROGRAMS = ("parity", "migrate")  # and every python*
 
 
-def _end_to_end(what: str):
+def refused_program(args) -> str | None:
+    """The program a `subprocess.Popen(args)` would start, if a test not marked `slow` may not."""
+    program = Path(str(args[0] if isinstance(args, list | tuple) else args).split()[0]).name
+    return program if program.startswith("python") or program in PROGRAMS else None
+
+
+def _not_slow(test: str, what: str) -> str:
+    return f"{test} {what} but is not marked `slow`: mark it `slow` (pyproject.toml)"
+
+
+def _end_to_end(test: str, what: str):
     def refuse(*args, **kwargs):
-        pytest.fail(f"{what} in the fast layer: mark this test `slow` (pyproject.toml)")
+        pytest.fail(_not_slow(test, what))
 
     return refuse
 
 
 @pytest.fixture(autouse=True)
-def _fast_layer_starts_no_end_to_end_run(request, monkeypatch):
-    if not FAST_LAYER or request.node.get_closest_marker("slow") is not None:
+def _a_test_not_marked_slow_starts_no_end_to_end_run(request):
+    if request.node.get_closest_marker("slow") is not None:
         yield
         return
     import subprocess
@@ -92,25 +104,26 @@ def _fast_layer_starts_no_end_to_end_run(request, monkeypatch):
     from parity import cli as parity_cli
     from parity.decoder import session, twins
 
+    test = request.node.nodeid
     popen = subprocess.Popen.__init__
 
     def start(self, args, *rest, **kwargs):
-        program = Path(str(args[0] if isinstance(args, list | tuple) else args).split()[0]).name
-        if program.startswith("python") or program in ("parity", "migrate"):
-            pytest.fail(
-                f"a {program} process in the fast layer: mark this test `slow` (pyproject.toml)"
-            )
+        program = refused_program(args)
+        if program is not None:
+            pytest.fail(_not_slow(test, f"starts a {program} process"))
         popen(self, args, *rest, **kwargs)
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", start)
-    monkeypatch.setattr(parity_cli, "run", _end_to_end("a parity command"))
-    monkeypatch.setattr(session.DecoderPair, "__init__", _end_to_end("the decoder twins' pair"))
-    compiled = ("linen_initial_variables", "_linen_step", "_linen_train_fns")
-    for name in (*compiled, "_nnx_initial_state", "_nnx_step", "_nnx_train_fns"):
-        monkeypatch.setattr(twins, name, _end_to_end(f"the whole decoder compiled ({name})"))
-    for module in (train_state, commands):
-        monkeypatch.setattr(module, "init_state", _end_to_end("a twin's train state initialised"))
-    yield
+    # Its own MonkeyPatch: a test's `monkeypatch.undo()` leaves the guard in place.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", start)
+        patch.setattr(parity_cli, "run", _end_to_end(test, "runs a parity command"))
+        patch.setattr(session.DecoderPair, "__init__", _end_to_end(test, "builds the twins' pair"))
+        compiled = ("linen_initial_variables", "_linen_step", "_linen_train_fns")
+        for name in (*compiled, "_nnx_initial_state", "_nnx_step", "_nnx_train_fns"):
+            patch.setattr(twins, name, _end_to_end(test, f"compiles the whole decoder ({name})"))
+        for module in (train_state, commands):
+            patch.setattr(module, "init_state", _end_to_end(test, "initialises a train state"))
+        yield
 
 
 import jax  # noqa: E402  (after XLA_FLAGS: the session has exactly 8 simulated devices)

@@ -87,3 +87,25 @@ def reversed_stage_order() -> None:
         return jax.tree.map(lambda w: jnp.flip(w, 0) if getattr(w, "ndim", 0) else w, weights)
 
     pipeline.NNXPipeline.get_current_stage_weights = get_current_stage_weights
+
+
+def pipeline_reads_a_missing_key() -> None:
+    """The NNX release's pipeline built from a config without `num_pipeline_microbatches`:
+    MaxText's own code raises (AttributeError) where it reads the key, as the side builds."""
+    from maxtext.utils import model_creation_utils
+
+    original = model_creation_utils.from_config
+
+    class Without:
+        def __init__(self, config) -> None:
+            object.__setattr__(self, "_config", config)
+
+        def __getattr__(self, name: str):
+            if name == "num_pipeline_microbatches":
+                raise AttributeError(f"the config has no {name}")
+            return getattr(self._config, name)
+
+    def from_config(config, *args, **kwargs):
+        return original(Without(config), *args, **kwargs)
+
+    model_creation_utils.from_config = from_config

@@ -43,13 +43,24 @@ def test_maxtext_linen_and_nnx_releases_agree(config, tmp_path):
     initialisation matches in names (the declared `embed_attn` rename applied), shapes and
     statistics, logits, loss and every gradient agree bit for bit (two microbatches per stage,
     circular, included), placements and compiled shardings agree, and two AdamW steps of
-    MaxText's optimizer agree leaf by leaf."""
+    MaxText's optimizer agree leaf by leaf; and each release's pipelined decoder equals its own
+    decoder without pipelining (`pipeline`) within the reshaped tier, on both releases."""
     status, report, err = gate(tmp_path, config)
     assert status == 0, err[-3000:]
     checks = {c["name"]: c for c in report["checks"]}
     assert list(checks) == list(gate_config.CHECKS)
     for name in ("forward", "grads", "train"):
         assert checks[name]["message"] == "identical computation: bit-exact", name
+    pipeline = checks["pipeline"]
+    assert pipeline["status"] == "passed", pipeline["message"]
+    assert pipeline["details"][0]["whose"] == "every release holds to its own reference"
+    by_release = {}
+    for record in pipeline["details"][1:]:
+        by_release.setdefault(record["release"], []).append(record)
+    assert sorted(by_release) == ["0.2.3", "0.2.5"]
+    for records in by_release.values():  # logits, loss, norm and every gradient, not bit-exact
+        assert any(r["tensor"].endswith("/logits") for r in records)
+        assert 0 < max(r["max_rel"] for r in records) <= pipeline["worst"]["tolerance"]
     assert "maxtext 0.2.3" in err and "maxtext 0.2.5" in err
     assert {side: report["sides"][side]["maxtext"] for side in ("linen", "nnx")} == (
         gate_config.RELEASES
@@ -136,6 +147,52 @@ def test_a_bug_injected_in_the_nnx_release_is_caught_at_its_place(
         assert located.status == "failed" and located.where == inside, located.where
         (first,) = [r for r in located.details if r["tensor"] == inside]
         assert first["tier"] == "beyond" and first["module"] == inside.split(" ")[0]
+    if bug == "reversed_stage_order":
+        # and each release against its own reference, module by module (the pipeline
+        # oracle's drill-down): 0.2.3 holds everywhere; 0.2.5's pipeline parts at the same
+        # place, a bug of the port that the oracle alone would have found
+        oracle = [r for r in located.details if "first_parting" in r]
+        assert oracle and all(r["passed"] for r in oracle if r["release"] == "0.2.3")
+        (parts,) = [r for r in oracle if r["first_parting"]]
+        assert parts["release"] == "0.2.5"
+        assert (parts["module"], parts["iteration"], parts["stage"]) == (
+            "decoder/pipeline_module/layers/self_attention/query",
+            0,
+            0,
+        )
+
+
+@needs_envs
+def test_a_release_that_cannot_build_what_the_other_builds_is_a_finding(linen_release):
+    """The NNX release's own code raises as it builds the config (a key its pipeline reads,
+    missing: `maxtext_bugs.pipeline_reads_a_missing_key`) where the Linen release builds it: a
+    migration regression, failed (exit 1), naming the release, MaxText's file and line and
+    what the other release did; never an internal error of this tool."""
+    from parity.maxtext import release_fault
+    from parity.maxtext.release_pair import MaxTextPair
+    from parity.remote.environments import Environment
+
+    config, linen = linen_release
+    environments = {
+        "linen": Environment(gate_config.default_python("linen")),
+        "nnx": Environment(
+            gate_config.default_python("nnx"),
+            patch="maxtext_bugs:pipeline_reads_a_missing_key",
+            extra_paths=(TESTS,),
+        ),
+    }
+    with pytest.raises(release_fault.Faults) as raised:
+        MaxTextPair(config, environments, started={"linen": linen})
+    assert raised.value.bad_input() is None
+    result = raised.value.result("build")
+    assert result.status == "failed"
+    (record,) = result.details
+    assert record["release"] == "0.2.5" and record["side"] == "nnx"
+    assert record["raised_at"].startswith("maxtext/layers/"), record["raised_at"]
+    assert record["error"].startswith("AttributeError: ")
+    assert "num_pipeline_microbatches" in record["error"]
+    assert record["other_release"] == "maxtext 0.2.3 (the linen side) completes it"
+    assert "a migration regression" in result.message
 
 
 def test_a_maxtext_config_is_validated_before_jax(tmp_path):

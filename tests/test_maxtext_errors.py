@@ -42,14 +42,14 @@ def test_empty_checks_refused_as_without_maxtext():
 
 @pytest.mark.slow
 def test_only_twin_checks_refused_before_anything_starts(tmp_path):
-    """pipeline and bubbles call the project's twins: alone, nothing is left to run; refused,
+    """bubbles and efficiency call the project's twins: alone, nothing is left to run; refused,
     named, nothing written, no worker started (never exit 4)."""
     report = tmp_path / "x.json"
     err = refused(
-        maxtext("--checks=pipeline,bubbles", f"--json={report}"),
+        maxtext("--checks=bubbles,efficiency", f"--json={report}"),
         2,
-        "--checks=pipeline,bubbles: none of these runs with --maxtext",
-        "(pipeline, bubbles call the project's twins",
+        "--checks=bubbles,efficiency: none of these runs with --maxtext",
+        "(bubbles, efficiency call the project's twins",
     )
     assert "--maxtext runs: roundtrip, init, forward" in err
     assert not report.exists()
@@ -57,20 +57,22 @@ def test_only_twin_checks_refused_before_anything_starts(tmp_path):
 
 
 def test_runnable_splits_the_selection():
-    assert gate_config.runnable(["pipeline", "forward", "compile", "layers"]) == (
-        ["forward", "compile", "layers"],
-        ["pipeline"],
+    """pipeline, compile and layers are the gate's own (`gate_config.OWN_CHECKS`: pipeline each
+    release against its own decoder without pipelining); bubbles calls the project's twins."""
+    assert gate_config.runnable(["pipeline", "bubbles", "forward", "compile", "layers"]) == (
+        ["pipeline", "forward", "compile", "layers"],
+        ["bubbles"],
     )
 
 
 @pytest.mark.slow
 @needs_envs
 def test_mixed_selection_runs_the_rest():
-    result = maxtext("--checks=pipeline,forward", "--dry_run")
+    result = maxtext("--checks=bubbles,forward", "--dry_run")
     err = result.stderr.decode()
     assert result.returncode == 0, err
     assert "checks: forward" in result.stdout.decode()
-    assert "skipped: pipeline" in err
+    assert "skipped: bubbles" in err
 
 
 @pytest.mark.slow

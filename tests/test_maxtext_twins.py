@@ -179,6 +179,7 @@ def test_maxtext_0_2_5_against_the_nnx_twin_on_several_layers_per_stage_and_repe
     assert not checks["compile"]["passed"]
 
 
+@pytest.mark.slow
 def test_against_is_refused_without_maxtext(capsys):
     from parity import cli
 

@@ -77,7 +77,6 @@ def test_a_workers_program_text_is_hlo_on_this_jax():
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_a_worker_imports_the_projects_packages_and_nothing_else_of_the_callers(
     tmp_path, monkeypatch
 ):
@@ -109,6 +108,7 @@ def test_a_worker_imports_the_projects_packages_and_nothing_else_of_the_callers(
         worker.close()
 
 
+@pytest.mark.slow
 @pytest.mark.compat
 def test_a_worker_serves_its_side_and_stdout_chatter_does_not_break_it():
     worker = fake_worker(run="print")

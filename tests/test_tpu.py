@@ -93,6 +93,7 @@ def test_every_topology_known_here_is_maxtexts():
     assert {"v5p-16", "v5e-8", "v5p-8", "v5p-64", "tpu7x-16"} <= set(topologies.known_names())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -116,6 +117,7 @@ def test_bad_topology_input_is_refused_before_jax_work(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("installed", [None, "0.0.1"])
 def test_libtpu_missing_or_not_jaxs_names_the_install_command(installed, monkeypatch, capsys):
     real = importlib.metadata.version
@@ -138,6 +140,7 @@ def test_libtpu_missing_or_not_jaxs_names_the_install_command(installed, monkeyp
     assert ("not installed" if installed is None else "libtpu 0.0.1 is installed") in err
 
 
+@pytest.mark.slow
 def test_a_cpu_run_meets_no_tpu_backend():
     """With libtpu installed, a run that asks for no topology stays on the CPU, silently."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
@@ -282,6 +285,7 @@ def test_a_config_beyond_the_slice_is_reported_with_both_sides(tmp_path):
 # ------------------------------------------------------------------ the MaxText gate on a slice
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -301,6 +305,7 @@ def test_bad_maxtext_topology_input_is_refused_before_workers(args, message, cap
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_release_environment_without_libtpu_is_named():
     """An interpreter whose environment has no jax (so no libtpu): refused, the side named."""
     from parity.maxtext import gate_config

@@ -40,9 +40,7 @@ def collective_kind(line: str) -> tuple[str, bool] | None:
 def collective_counts(hlo_text: str) -> dict[str, int]:
     """How many instructions of each collective kind a compiled HLO module holds (transfers
     between slices included, by their kind)."""
-    counts = Counter(
-        found[0] for line in hlo_text.splitlines() if (found := collective_kind(line))
-    )
+    counts = Counter(found[0] for line in hlo_text.splitlines() if (found := collective_kind(line)))
     return {kind: counts.get(kind, 0) for kind in COLLECTIVES}
 
 

@@ -108,6 +108,7 @@ class MaxTextSide:
         self.tx = optimizers.get_optimizer(config, schedule)
         self._own: Any = None
         self._forward_backward: Any = None
+        self._references: dict[str, Any] = {}
         self._programs: dict[int, tuple[Any, Any, Any]] = {}
 
     # ------------------------------------------------------------ building
@@ -362,7 +363,7 @@ class MaxTextSide:
     def drill_stages(self, weights: Any) -> list:
         return []
 
-    remote_methods = ("captures", "pipeline_reference")
+    remote_methods = ("captures", "pipeline_reference", "pipeline_captures")
 
     def layout(self) -> Any:
         """How this release places the pipelined decoder's layers (`pipeline_layout.Layout`),
@@ -398,16 +399,10 @@ class MaxTextSide:
 
         from parity.maxtext import pipeline_layout
 
-        with np.load(weights_file) as stored:
-            flat = {tuple(key.split("/")): stored[key] for key in stored.files}
+        flat = _stored(weights_file)
         layout = self.layout()
         reference_flat = pipeline_layout.to_reference(flat, layout)
-        from maxtext.configs import pyconfig
-        from maxtext.utils import maxtext_utils
-
-        config = pyconfig.initialize([None, _base_yml()], **{**DEFAULTS, **overrides})
-        mesh = maxtext_utils.get_mesh_from_config(config)
-        reference, _ = _on_mesh(self.framework, config, mesh, jax.device_get(self.batch))
+        reference = self._reference(overrides)
         arrays: dict[tuple[str, ...], Any] = {}
         for name, side, weights in (
             ("pipelined", self, flat),
@@ -429,17 +424,62 @@ class MaxTextSide:
         }
         return arrays, facts
 
+    def _reference(self, overrides: dict[str, Any]) -> MaxTextSide:
+        """This release's decoder of `overrides` (the reference: built once, on its own mesh,
+        with this side's batch)."""
+        import jax
+        from maxtext.configs import pyconfig
+        from maxtext.utils import maxtext_utils
+
+        key = repr(sorted(overrides.items()))
+        if self._references.get("key") != key:
+            config = pyconfig.initialize([None, _base_yml()], **{**DEFAULTS, **overrides})
+            mesh = maxtext_utils.get_mesh_from_config(config)
+            side, _ = _on_mesh(self.framework, config, mesh, jax.device_get(self.batch))
+            self._references = {"key": key, "side": side}
+        return self._references["side"]
+
+    def pipeline_captures(
+        self, weights_file: str, overrides: dict[str, Any]
+    ) -> tuple[dict[tuple[str, ...], Any], dict[str, Any]]:
+        """`captures` of the pipelined decoder and of its reference (`pipeline_reference`'s),
+        on the weights in `weights_file` (the pipelined layout; the reference's re-laid):
+        arrays keyed `(run, module path, call, leaf)`; facts: each run's module order, the
+        layout, the forwarding delay, the microbatches."""
+        from parity.maxtext import pipeline_layout
+
+        flat = _stored(weights_file)
+        layout = self.layout()
+        reference = self._reference(overrides)
+        arrays: dict[tuple[str, ...], Any] = {}
+        facts: dict[str, Any] = {"layout": dataclasses.asdict(layout)}
+        for name, side, weights in (
+            ("pipelined", self, flat),
+            ("reference", reference, pipeline_layout.to_reference(flat, layout)),
+        ):
+            captured, order = side._captured(weights)
+            arrays |= {(name, *key): value for key, value in captured.items()}
+            facts[f"{name}_order"] = order
+        facts["delay"] = 2 if self.config.pipeline_delay_activation_forwarding else 1
+        facts["microbatches"] = self.config.num_pipeline_microbatches
+        return arrays, facts
+
     def captures(self, weights_file: str) -> tuple[dict[tuple[str, ...], Any], dict[str, Any]]:
         """The forward pass on the weights in `weights_file` (an `.npz` of the common form's
         plain arrays, keyed by `/`-joined path), every module call's output captured
         (`_Recorder`), in the order the program ran them: (arrays keyed `(module path, call
         index, leaf)`, `{"order": [module path, ...]}` in first-call order). The logits come
         as `("logits", "0", "0")`."""
+
+        arrays, order = self._captured(_stored(weights_file))
+        return arrays, {"order": order}
+
+    def _captured(
+        self, flat: dict[tuple[str, ...], Any]
+    ) -> tuple[dict[tuple[str, ...], Any], list[str]]:
         import jax
         import numpy as np
 
-        with np.load(weights_file) as stored:
-            flat = {tuple(key.split("/")): stored[key] for key in stored.files}
         plain = self._plain_params(self.from_common(protocol.nest(flat)))
         recorder = _Recorder(self.framework)
         with recorder, self._context():
@@ -453,7 +493,7 @@ class MaxTextSide:
             for i, leaf in enumerate(leaves)
         }
         arrays[("logits", "0", "0")] = logits
-        return arrays, {"order": [*recorder.calls, "logits"]}
+        return arrays, [*recorder.calls, "logits"]
 
     def jaxpr(self, weights: Any) -> Any:
         return None
@@ -627,6 +667,14 @@ def _in_context(fn: Any, context: Any) -> Any:
     return call
 
 
+def _stored(weights_file: str) -> dict[tuple[str, ...], Any]:
+    """The plain arrays of an `.npz` keyed by `/`-joined path, by path."""
+    import numpy as np
+
+    with np.load(weights_file) as stored:
+        return {tuple(key.split("/")): stored[key] for key in stored.files}
+
+
 def _flat(tree: Any, keep_boxes: bool = False) -> dict[tuple[str, ...], Any]:
     import flax.linen as nn
     import jax
@@ -712,13 +760,19 @@ def _check_release(framework: str, config: Any, mesh: Any, shape: tuple) -> None
                     inside.append(f"{where}: {type(leaf).__name__}")
     else:
         rngs = lambda: nnx.Rngs(params=0, dropout=1, aqt=2)  # made inside the abstract trace
-        # Shapes only, on a one-device mesh: under MaxText's mesh `nnx.eval_shape` gives
-        # each abstract Variable a sharding resolved as NNX resolves names (an unmatched one
-        # as a mesh axis), and 0.2.5 names the axis of the layers after a pipelined subset
-        # `layers_outside_pipeline`, which no rule maps (its real build places them by its
-        # rules, as MaxText's trainer does).
-        with jax.set_mesh(jax.make_mesh((1,), ("none",), devices=jax.devices()[:1])):
-            model = nnx.eval_shape(lambda: creation.from_config(config, mesh=mesh, rngs=rngs()))
+        build = lambda: creation.from_config(config, mesh=mesh, rngs=rngs())
+        try:
+            model = nnx.eval_shape(build)
+        except Exception:  # a build this trace alone cannot place: shapes only
+            # Under MaxText's mesh `nnx.eval_shape` gives each abstract Variable a sharding
+            # resolved as NNX resolves names (an unmatched one as a mesh axis), and 0.2.5
+            # names the axis of the layers after a pipelined subset `layers_outside_pipeline`,
+            # which no rule maps (its real build places them by its rules, as MaxText's trainer
+            # does). Shapes alone, on a one-device mesh, say which decoder it builds. (0.2.3's
+            # `ToNNX` decoder needs MaxText's mesh: its Linen constraints name its axes.)
+            one_device = jax.make_mesh((1,), ("none",), devices=jax.devices()[:1])
+            with jax.set_mesh(one_device):
+                model = nnx.eval_shape(build)
         if not isinstance(model, nnx.Module):
             raise WrongRelease(f"{side} {type(model).__name__}, not an NNX module")
         # The decoder itself: 0.2.5's NNX decoder wraps Linen leaves of its own (AQT, TE).

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -39,6 +38,15 @@ from migrate.errors import BadInput
 from parity.analysis import compare
 from parity.decoder import catalog
 from parity.maxtext import build_envs
+from parity.maxtext.mesh import (
+    DCN,
+    ICI,
+    MESH_DEFAULTS,
+    dcn_auto,
+    devices_per_slice,
+    num_slices,
+    resolve_mesh,
+)
 from parity.reports.progress import progress
 
 MAX_BYTES = 1 << 16
@@ -56,8 +64,6 @@ CHECKS = ("roundtrip", "init", "forward", "grads", "pipeline", "sharding", "trai
 # one more step, `parity.maxtext.checkpoint_gate`) exists only here.
 OWN_CHECKS = ("pipeline", "compile", "layers", "checkpoint")
 CHECK_NAMES = (*catalog.CHECK_NAMES, "checkpoint")  # what --checks may name with --maxtext
-ICI = re.compile(r"^ici_(\w+)_parallelism$")
-DCN = re.compile(r"^dcn_(\w+)_parallelism$")
 MAX_ICI = 512  # the mesh is simulated CPU devices
 CHECKPOINT_STEPS = 3  # `checkpoint`: 0.2.3's train.py trains these, the last checkpointed
 # The twins' bounds of the keys MaxText names alike, and MaxText's own size keys: inclusive,
@@ -98,6 +104,10 @@ class MaxTextConfig:
     keys: dict[str, Any]
     num_devices: int
     declared: DeclaredTier | None = None
+    # Every mesh axis MaxText builds (`ici_*`, `dcn_*` keys: the config's and MaxText's
+    # defaults), a -1 filled as MaxText fills it (`resolve_mesh`); empty where not resolved.
+    mesh: dict[str, int] = dataclasses.field(default_factory=dict)
+    filled: tuple[str, ...] = ()  # the axes of `mesh` that were -1 (the config's or MaxText's)
 
     @property
     def stages(self) -> int:
@@ -115,7 +125,15 @@ class MaxTextConfig:
             )
             if k in self.keys
         )
-        return f"MaxText {self.model_name}: {self.num_devices} devices, {shown}"
+        mesh = " x ".join(
+            f"{ICI.match(k)[1] if ICI.match(k) else 'dcn_' + DCN.match(k)[1]} {v}"
+            for k, v in self.mesh.items()
+            if v != 1
+        )
+        shown_filled = [k for k in self.filled if self.mesh[k] != 1 or k not in MESH_DEFAULTS]
+        auto = ", ".join(f"{k}=-1 -> {self.mesh[k]}" for k in shown_filled)
+        mesh = f" (mesh {mesh or 'one device'}{'; ' + auto if auto else ''})" if self.mesh else ""
+        return f"MaxText {self.model_name}: {self.num_devices} devices{mesh}, {shown}"
 
 
 def _read(path: Path) -> tuple[dict[str, Any], DeclaredTier | None]:
@@ -152,9 +170,17 @@ def _declared(path: Path, gate: Any) -> DeclaredTier:
     return DeclaredTier(tier, " ".join(why.split()))
 
 
-def load(path: str | Path, overrides: list[str]) -> MaxTextConfig:
+def load(
+    path: str | Path,
+    overrides: list[str],
+    topology: str | None = None,
+    num_slices_given: int | None = None,
+) -> MaxTextConfig:
     """The base (`loading.base_config_path`), the config at `path` (or the shipped MaxText
-    config of that name: `pp4`), then `key=value` overrides; BadInput names what is wrong."""
+    config of that name: `pp4`), then `key=value` overrides; BadInput names what is wrong.
+    `topology` (and `num_slices_given`): the TPU slice a `--topology` run compiles for (its
+    devices fill a -1 ICI axis, its slices a -1 DCN axis; what only the CPU refuses is left to
+    it), else the simulated CPU devices (`resolve_mesh`)."""
     path = loading.resolve(path, "maxtext")
     if not path.exists() and not path.is_symlink():
         raise BadInput(loading.not_found(path, "maxtext"))
@@ -174,9 +200,16 @@ def load(path: str | Path, overrides: list[str]) -> MaxTextConfig:
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise BadInput(f"{path}: {problems[0]}{more}")
-    sizes = [keys[name] for name in keys if ICI.match(name)]
-    devices = math.prod(sizes) if sizes else 1
-    for problem in (cpu_problem(keys), microbatch_problem(keys, devices)):
+    per_slice, slices = devices_per_slice(keys, topology, num_slices_given)
+    mesh = resolve_mesh(keys, per_slice, slices, path)
+    given = {**MESH_DEFAULTS, **keys}
+    filled = tuple(k for k in mesh if given.get(k) == -1)
+    devices = math.prod(v for k, v in mesh.items() if ICI.match(k))
+    if topology is None:  # on a TPU slice both releases compile what the CPU cannot run
+        keys = {**keys, **{k: v for k, v in mesh.items() if ICI.match(k)}}
+    resolved = {**keys, **{k: v for k, v in mesh.items() if ICI.match(k)}}
+    cpu = None if topology is not None else cpu_problem(keys)
+    for problem in (cpu, microbatch_problem(resolved, devices)):
         if problem is not None:
             raise BadInput(f"{path}: {problem}")
     if not 1 <= devices <= MAX_ICI:
@@ -186,7 +219,7 @@ def load(path: str | Path, overrides: list[str]) -> MaxTextConfig:
             f"{path}: per_device_batch_size={keys['per_device_batch_size']} on {devices} "
             "devices: a global batch of no row"
         )
-    return MaxTextConfig(Path(path).stem, keys, devices, declared)
+    return MaxTextConfig(Path(path).stem, keys, devices, declared, mesh, filled)
 
 
 def _is_int(value: Any) -> bool:
@@ -218,8 +251,10 @@ def violations(keys: dict[str, Any]) -> list[str]:
                 problem = f"{key}=0: must be -1 or an integer in 1..{high}"
             if problem is None and key == "global_parameter_scale" and value & (value - 1):
                 problem = f"{key}={value}: must be a power of two"
-        elif ICI.match(key):
-            problem = _int_problem(key, value, 1, MAX_ICI)
+        elif ICI.match(key):  # -1: MaxText fills it with the slice's devices left
+            problem = _int_problem(key, value, -1, MAX_ICI)
+            if problem is None and value == 0:
+                problem = f"{key}=0: must be -1 or a positive integer"
         elif DCN.match(key):
             problem = _int_problem(key, value, -1, INT_BOUNDS["dcn_data_parallelism"][1])
             if problem is None and value == 0:
@@ -377,17 +412,6 @@ def batch(keys: dict[str, Any], devices: int, seed: int, step: int, split: str) 
         "targets": tokens[:, 1:],
         "targets_segmentation": ones,
     }
-
-
-def dcn_auto(keys: dict[str, Any]) -> bool:
-    """Whether a `dcn_*` axis is -1, which MaxText fills with the slices left."""
-    return any(v == -1 for k, v in keys.items() if DCN.match(k))
-
-
-def num_slices(keys: dict[str, Any]) -> int:
-    """The slices a config's mesh spans: the product of its `dcn_*` axes that are set (a -1,
-    "the rest", counts as one)."""
-    return math.prod(v for k, v in keys.items() if DCN.match(k) and _is_int(v) and v > 0)
 
 
 # Run by a release's interpreter: why it cannot compile TPU programs ('' when it can).

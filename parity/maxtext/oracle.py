@@ -17,6 +17,7 @@ difference predates the migration: MaxText's pipeline, not the port.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from parity.analysis import compare
 from parity.engine.numeric import run_records
 from parity.engine.result import CheckResult, skipped, verdict
 from parity.engine.side import Run
-from parity.maxtext import gate_config, pipeline_layout
+from parity.maxtext import gate_config, pipeline_layout, release_fault
 from parity.remote import protocol
 
 PARTS = ("loss", "logits", "grads", "grad_norm")
@@ -35,8 +36,10 @@ PARTS = ("loss", "logits", "grads", "grad_norm")
 
 def tolerance(keys: dict[str, Any]) -> compare.Tolerance:
     """The twins' pipeline tier for the config's dtypes (MaxText's defaults: activations in
-    bfloat16, weights in float32). Measured on MaxText (docs/maxtext.md, the sweep): float32
-    pipelined against reference on both releases, worst 2.1e-6 (`bench/maxtext_pipeline_sweep.py`)."""
+    bfloat16, weights in float32). Measured on MaxText in float32, both releases, every shape
+    of the sweep that holds (`bench/maxtext_pipeline_sweep.py`, docs/maxtext.md): worst
+    1.6e-6 (13 ulp at scale; S=2, R=4, M=8), 4.8x under the tier's 64 ulp; the shapes that
+    fail are off by 0.5 to 1.3, five orders of magnitude beyond it."""
     float32 = keys.get("dtype", "bfloat16") == "float32"
     float32 = float32 and keys.get("weight_dtype", "float32") == "float32"
     return compare.F32_RESHAPED if float32 else compare.BF16_RESHAPED
@@ -46,35 +49,52 @@ def release_label(framework: str) -> str:
     return f"maxtext {gate_config.RELEASES[framework]}"
 
 
-def reference_runs(pair: Any, frameworks: tuple[str, ...]) -> dict[str, tuple[Run, Run, dict]]:
-    """Per framework (a MaxText release's side of `pair`): (its pipelined run, its reference
-    run, the worker's facts), both on the Linen release's initial weights (the MaxText pair's
-    own `linen` side; the twin pair's MaxText side's own)."""
-    source = "linen" if "linen" in frameworks else frameworks[0]
+def source_of(frameworks: tuple[str, ...]) -> str:
+    """Whose initial weights both runs take: the Linen release's where it is among
+    `frameworks` (the MaxText pair's own `linen` side), else the first's (the twin pair's
+    MaxText side)."""
+    return "linen" if "linen" in frameworks else frameworks[0]
+
+
+def _in_workers(
+    pair: Any, frameworks: tuple[str, ...], method: str, source: str
+) -> dict[str, tuple[dict, dict]]:
+    """Per framework, its worker's `method` (a `MaxTextSide` remote method taking a weights
+    file and the reference's overrides) on `source`'s initial weights: (arrays, facts). The
+    workers run side by side (each builds and compiles its own reference: the releases'
+    processes share nothing); a release's own exception is `release_fault.Faults`."""
     plain = protocol.flatten(pair.side(source).plain(pair.weights(source, source)))
     overrides = pipeline_layout.reference_overrides(pair.keys)
-    out = {}
     with tempfile.TemporaryDirectory(prefix="parity-maxtext-pipeline-") as directory:
         weights_file = Path(directory) / "weights.npz"
         np.savez(weights_file, **{"/".join(path): value for path, value in plain.items()})
-        for framework in frameworks:
+        kwargs = {"weights_file": str(weights_file), "overrides": overrides}
+
+        def one(framework: str) -> tuple[dict, dict]:
             worker = pair.side(framework).worker
-            reply = worker.call(
-                "call",
-                method="pipeline_reference",
-                kwargs={"weights_file": str(weights_file), "overrides": overrides},
+            reply = worker.call("call", method=method, kwargs=kwargs)
+            return worker.receive_tree(reply["tree"])[0], reply["facts"]
+
+        doing = f"the pipeline oracle's {method}"
+        return release_fault.run_both(doing, {f: functools.partial(one, f) for f in frameworks})
+
+
+def reference_runs(pair: Any, frameworks: tuple[str, ...]) -> dict[str, tuple[Run, Run, dict]]:
+    """Per framework (a MaxText release's side of `pair`): (its pipelined run, its reference
+    run, the worker's facts), both on the same initial weights (`source_of`)."""
+    out = {}
+    replies = _in_workers(pair, frameworks, "pipeline_reference", source_of(frameworks))
+    for framework, (arrays, facts) in replies.items():
+        runs = {}
+        for name in ("pipelined", "reference"):
+            grads = {p[2:]: a for p, a in arrays.items() if p[:2] == (name, "grads")}
+            runs[name] = Run(
+                loss=arrays[(name, "loss")],
+                outputs=arrays[(name, "logits")],
+                grads=protocol.nest(grads),
+                grad_norm=arrays[(name, "grad_norm")],
             )
-            arrays = worker.receive_tree(reply["tree"])[0]
-            runs = {}
-            for name in ("pipelined", "reference"):
-                grads = {p[2:]: a for p, a in arrays.items() if p[:2] == (name, "grads")}
-                runs[name] = Run(
-                    loss=arrays[(name, "loss")],
-                    outputs=arrays[(name, "logits")],
-                    grads=protocol.nest(grads),
-                    grad_norm=arrays[(name, "grad_norm")],
-                )
-            out[framework] = (runs["pipelined"], runs["reference"], reply["facts"])
+        out[framework] = (runs["pipelined"], runs["reference"], facts)
     return out
 
 
@@ -107,6 +127,10 @@ def pipeline(pair: Any, frameworks: tuple[str, ...] = ("linen", "nnx")) -> Check
         "failing_releases": [gate_config.RELEASES[f] for f in failing],
         "whose": whose,
     }
+    source = source_of(frameworks)
+    located = located_records(pair, tuple(failing), source) if failing else []
+    where = [r for r in located if r.get("first_parting")]
+    summary["parts_at"] = {r["release"]: r["tensor"] for r in where}
     result = verdict("pipeline", records, tol, problems)
     shown = "; ".join(
         f"{release_label(f)} {'fails' if f in failing else 'holds'} "
@@ -114,12 +138,26 @@ def pipeline(pair: Any, frameworks: tuple[str, ...] = ("linen", "nnx")) -> Check
         for f, w in worst.items()
         if w is not None
     )
+    parts = "".join(f"; first parts at {r['tensor']} ({r['max_rel']:.3g})" for r in where)
     note = " (on the CPU: a --topology run compiles for TPU and runs no oracle)"
     return dataclasses.replace(
         result,
-        details=(summary, *result.details),
-        message=f"{result.message}; {shown}; {whose}{note if failing else ''}",
+        details=(summary, *where, *result.details),
+        message=f"{result.message}; {shown}; {whose}{parts}{note if failing else ''}",
     )
+
+
+def located_records(pair: Any, frameworks: tuple[str, ...], source: str) -> list[dict]:
+    """The drill-down (`drill`) of `frameworks`, each release's records marked with it, and
+    its first record beyond the tier marked `first_parting` (where its pipelined run first
+    parts from its reference, in data-flow order)."""
+    out = []
+    for framework, records in drill(pair, frameworks, source).items():
+        release = gate_config.RELEASES[framework]
+        first = next((i for i, r in enumerate(records) if not r["passed"]), None)
+        for i, record in enumerate(records):
+            out.append(record | {"release": release, "first_parting": i == first})
+    return out
 
 
 def _whose(runs: dict[str, tuple[Run, Run, dict]], failing: list[str]) -> str:
@@ -153,3 +191,145 @@ def _whose(runs: dict[str, tuple[Run, Run, dict]], failing: list[str]) -> str:
 def _leaves(run: Run) -> list[Any]:
     flat = protocol.flatten(run.grads)
     return [run.loss, run.outputs, run.grad_norm, *(flat[p] for p in sorted(flat))]
+
+
+# ------------------------------------------------------------ where the pipeline parts
+
+
+def drill(pair: Any, frameworks: tuple[str, ...], source: str) -> dict[str, list[dict]]:
+    """Per framework, the pipelined decoder's module outputs against its reference's, in the
+    order the pipeline ran them (`decoder_factory.MaxTextSide.pipeline_captures`): a capture of
+    stage s at iteration t holds microbatch m of repeat r (MaxText's schedule: `t - d*s`
+    microbatches processed, d the forwarding delay), which the reference computed as rows
+    `m*B/M ...` of layer `(r*S + s)*L + j`'s output; bubble iterations compute nothing and are
+    left out. Modules outside the pipeline are compared call by call. Records in data-flow
+    order, each with its module, iteration, stage, layer, microbatch and repeat. Both runs
+    take `source`'s initial weights."""
+    tol = tolerance(pair.keys)
+    replies = _in_workers(pair, frameworks, "pipeline_captures", source)
+    return {
+        framework: _capture_records(arrays, facts, tol, release_label(framework))
+        for framework, (arrays, facts) in replies.items()
+    }
+
+
+def _calls(arrays: dict, run: str) -> dict[str, dict[tuple[int, int], Any]]:
+    """A run's captures as `{module path: {(call, leaf): array}}`."""
+    calls: dict[str, dict[tuple[int, int], Any]] = {}
+    for key, value in arrays.items():
+        if key[0] == run:
+            calls.setdefault(key[1], {})[(int(key[2]), int(key[3]))] = value
+    return calls
+
+
+def _capture_records(arrays: dict, facts: dict, tol: compare.Tolerance, label: str) -> list[dict]:
+    from parity.engine.result import numeric_records
+
+    layout = pipeline_layout.Layout(**facts["layout"])
+    delay, microbatches = int(facts["delay"]), int(facts["microbatches"])
+    pipelined, reference = _calls(arrays, "pipelined"), _calls(arrays, "reference")
+    order = facts["pipelined_order"]
+    prefix = "/".join(pipeline_layout.PIPELINE[1:])
+    outside = "/".join(layout.outside[1:])
+    stack = "/".join(layout.reference[1:])
+    staged = [p for p in pipelined if p == prefix or p.startswith(prefix + "/")]
+    iterations = (
+        min(
+            (max(c for c, _ in calls) + 1) // layout.stages
+            for p, calls in pipelined.items()
+            if p in staged
+        )
+        if staged
+        else 0
+    )
+    first_staged = min((order.index(p) for p in staged if p in order), default=len(order))
+
+    def reference_layer(sub: str, layer: int, occurrence: int, leaf: int) -> list[Any]:
+        """The reference's captures of module `sub` in layer `layer`, the `occurrence`-th call
+        first, then the layer's other calls of it (a module called several times per layer,
+        RoPE on the query and the key: `jax.debug.callback`s are unordered, so XLA may run
+        the calls' captures in either order, in each run its own)."""
+        calls = reference.get(f"{stack}/{sub}".rstrip("/"), {})
+        per_layer = max((max((c for c, _ in calls), default=-1) + 1) // layout.layers, 1)
+        order = [occurrence, *(o for o in range(per_layer) if o != occurrence)]
+        found = [calls.get((layer * per_layer + o, leaf)) for o in order]
+        return [x for x in found if x is not None]
+
+    records = []
+
+    def add(rank: tuple, fields: dict, name: str, actual: Any, candidates: list[Any]) -> None:
+        """The record of `actual` against the closest of `candidates` (the first on ties)."""
+        fits = [x for x in candidates if np.shape(x) == np.shape(actual)]
+        if not fits:
+            seen = f"shape {np.shape(candidates[0])}" if candidates else "no capture"
+            note = f"the reference has {seen} here (pipelined {np.shape(actual)})"
+            records.append(
+                (rank, {"tensor": name, "passed": True, "max_rel": 0.0, **fields, "note": note})
+            )
+            return
+        diffs = [compare.leaf_diff(name, actual, x, ("pipelined", "reference")) for x in fits]
+        diff = min(diffs, key=lambda d: d.max_rel)
+        record = numeric_records(name, [dataclasses.replace(diff, path="")], tol)[0]
+        records.append((rank, record | fields | {"tier": compare.tier(diff.max_rel)}))
+
+    for path, calls in pipelined.items():
+        position = order.index(path) if path in order else len(order)
+        if path in staged:
+            rest = path[len(prefix) :].strip("/")
+            slot, sub = 0, rest
+            if layout.per_stage > 1:
+                head, _, sub = rest.partition("/")
+                slot = int(head[len("layers_") :])
+            per_iteration = (max(c for c, _ in calls) + 1) // max(iterations, 1)
+            for (call, leaf), actual in calls.items():
+                iteration, within = divmod(call, per_iteration)
+                occurrence, stage = divmod(within, layout.stages)
+                processed = iteration - delay * stage
+                if not 0 <= processed < microbatches * layout.repeats:
+                    continue  # a bubble: this stage holds no microbatch yet, or no more
+                microbatch, repeat = processed % microbatches, processed // microbatches
+                layer = layout.layer(repeat, stage, slot)
+                rows = np.shape(actual)[0] if np.ndim(actual) else 0
+                expected = [
+                    whole[microbatch * rows : (microbatch + 1) * rows]
+                    for whole in reference_layer(sub, layer, occurrence, leaf)
+                ]
+                fields = {
+                    "module": path,
+                    "iteration": iteration,
+                    "stage": stage,
+                    "layer": layer,
+                    "microbatch": microbatch,
+                    "repeat": repeat,
+                }
+                name = (
+                    f"{label}: {path} iteration {iteration} stage {stage} (layer {layer}, "
+                    f"microbatch {microbatch}, repeat {repeat})"
+                ) + (f" [{leaf}]" if leaf else "")
+                add(
+                    (1, iteration, stage, position, occurrence, leaf),
+                    fields,
+                    name,
+                    actual,
+                    expected,
+                )
+            continue
+        after = 2 if position > first_staged else 0
+        for (call, leaf), actual in calls.items():
+            if path == outside or path.startswith(outside + "/"):
+                sub = path[len(outside) :].strip("/")
+                count = layout.layers - layout.pipelined
+                per_layer = (max(c for c, _ in calls) + 1) // max(count, 1)
+                first = 0 if layout.moe_first else layout.pipelined
+                layer = first + call // max(per_layer, 1)
+                expected = reference_layer(sub, layer, call % max(per_layer, 1), leaf)
+                fields = {"module": path, "layer": layer}
+                name = f"{label}: {path} (layer {layer})"
+            else:
+                found = reference.get(path, {}).get((call, leaf))
+                expected = [] if found is None else [found]
+                fields = {"module": path}
+                name = f"{label}: {path}" + (f" call {call}" if call else "")
+            name += f" [{leaf}]" if leaf else ""
+            add((after, position, -1, call, leaf, 0), fields, name, actual, expected)
+    return [record for _, record in sorted(records, key=lambda item: item[0])]

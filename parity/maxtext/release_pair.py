@@ -19,7 +19,7 @@ from migrate.errors import BadInput
 from parity.analysis import compare
 from parity.engine.pair import Pair, lm_vacuity_problems
 from parity.engine.side import Run
-from parity.maxtext import gate_config
+from parity.maxtext import gate_config, release_fault
 from parity.maxtext.gate_config import MaxTextConfig, batch
 from parity.remote.client import WorkerError, WorkerSet
 from parity.remote.environments import Environment
@@ -131,8 +131,27 @@ class MaxTextPair(Pair):
         for framework, side in started.items():
             self.workers[framework] = side.worker
         with self.workers.closed_on_failure():  # one side failed: the other one stops too
-            sides = [started.get(f) or self._side(f) for f in ("linen", "nnx")]
-        super().__init__(*sides, tolerance(config))
+            sides = self._started(started)
+        super().__init__(sides["linen"], sides["nnx"], tolerance(config))
+
+    def _started(self, started: dict[str, RemoteSide]) -> dict[str, RemoteSide]:
+        """Both sides, each started unless given; where a release's own code raises as it
+        builds its side, `release_fault.Faults` once both have been tried (what the other
+        release did with the same config is part of the finding)."""
+        sides, faults = dict(started), {}
+        for framework in ("linen", "nnx"):
+            if framework in sides:
+                continue
+            try:
+                sides[framework] = self._side(framework)
+            except WorkerError as e:
+                fault = release_fault.of(e, framework)
+                if fault is None:
+                    raise
+                faults[framework] = fault
+        if faults:
+            raise release_fault.Faults("building its decoder", faults, list(sides))
+        return sides
 
     def sides(self) -> dict[str, dict[str, Any]]:
         """Per side, what its worker runs: MaxText's, Python's, JAX's and flax's versions, and
@@ -148,8 +167,9 @@ class MaxTextPair(Pair):
 
     @property
     def own_checks(self) -> dict[str, Any]:
-        """The checks this pair computes its own way (`gate_config.OWN_CHECKS`), and the
-        numeric ones with each record's tier and the config's declared one (`with_tiers`)."""
+        """Every check this pair runs: those it computes its own way (`gate_config.OWN_CHECKS`),
+        the numeric ones with each record's tier and the config's declared one (`with_tiers`),
+        each with a release's own exception as its verdict (`release_fault.guarded`)."""
         from parity.decoder.checks import CHECKS
         from parity.maxtext import compile_check, oracle
 
@@ -159,12 +179,15 @@ class MaxTextPair(Pair):
         def tiered(name: str) -> Any:
             return lambda pair, *args: with_tiers(own[name](pair, *args), declared)
 
-        return {
+        checks = {
+            **own,
             **{name: tiered(name) for name in NUMERIC_CHECKS},
             "pipeline": oracle.pipeline,
             "compile": compile_check.compile_check,
             "checkpoint": checkpoint,
         }
+        # A release's own exception in any check is a finding, or bad input (`release_fault`).
+        return {name: release_fault.guarded(name, check) for name, check in checks.items()}
 
     def batch(self, step: int = 0, split: str = "train") -> dict:
         return batch(self.keys, self.devices, self.seed, step, split)
@@ -184,8 +207,19 @@ def run_gate(
     them (`steps`: the train check's), every worker stopped however the run ends (a side that
     fails to start, a lost worker, an interrupt). (results, costs, the sides' versions)."""
     from parity.decoder import runner
+    from parity.engine import compiles
 
-    pair = MaxTextPair(config, environments, checkpoint_steps=checkpoint_steps)
+    unbuilt: release_fault.Faults | None = None
+    with compiles.measure() as cost:
+        try:
+            pair = MaxTextPair(config, environments, checkpoint_steps=checkpoint_steps)
+        except release_fault.Faults as e:  # a release cannot build the config: no check runs
+            if (bad := e.bad_input()) is not None:
+                raise BadInput(bad) from None
+            unbuilt = e
+    if unbuilt is not None:
+        progress(f"build: FAILED ({unbuilt})")
+        return [unbuilt.result("build")], [cost.as_json()], {}
     try:
         progress(f"{config.describe()}; sides: {pair.workers.describe(environments)}")
         results, costs = runner.run_checks(pair, selected, steps, drill_down=False)
@@ -229,7 +263,10 @@ def layers(pair: MaxTextPair) -> Any:
     Linen modules, each NNX module's call wrapped on both), compared per module path, per
     pipeline iteration and stage, in the order the program ran them: the first record that
     differs is where the releases' values part. Each record names its tier
-    (`compare.tier`); a capture one release alone makes (0.2.3's Linen `Dropout`s) is a note."""
+    (`compare.tier`); a capture one release alone makes (0.2.3's Linen `Dropout`s) is a note.
+    On a pipelined config each release's pipelined run is then held to its own decoder without
+    pipelining, module by module (`oracle.located_records`: the first iteration, stage and
+    module where it parts from its reference)."""
     import dataclasses
     import tempfile
     from pathlib import Path
@@ -302,6 +339,12 @@ def layers(pair: MaxTextPair) -> Any:
         diff = compare.leaf_diff(label, nnx[key], linen[key], ("NNX", "Linen"))
         record = numeric_records(label, [dataclasses.replace(diff, path="")], pair.tolerance)[0]
         records.append(record | fields | {"tier": compare.tier(diff.max_rel)})
+    # A pipelined config: each release's pipelined run against its own reference too, module
+    # by module (`oracle.located_records`), after the releases' own records.
+    from parity.maxtext import oracle, pipeline_layout
+
+    if pipeline_layout.stages(pair.keys) > 1:
+        records += oracle.located_records(pair, ("linen", "nnx"), "linen")
     result = verdict("layers", records, pair.tolerance)
     parted = [r for r in records if r["max_rel"] > 0]
     tiers = sorted({r["tier"] for r in parted})

@@ -9,7 +9,7 @@ refusal a finding that names the release (`parity.tpu.check.overflow_result`).
 
 from __future__ import annotations
 
-import concurrent.futures
+import functools
 import math
 import re
 from typing import Any
@@ -17,7 +17,7 @@ from typing import Any
 from parity.analysis import hlo
 from parity.decoder.cost import CompiledCost
 from parity.engine.result import CheckResult, human_bytes
-from parity.maxtext import compile_check
+from parity.maxtext import compile_check, release_fault
 from parity.maxtext.checkpoint_gate import FACTORY, call
 from parity.maxtext.gate_config import RELEASES, MaxTextConfig, still_running
 from parity.remote.client import WorkerSet
@@ -53,13 +53,16 @@ def compiled_on_slice(
         releases = " and ".join(RELEASES[s] for s in SIDES)
         progress(f"compile: MaxText {releases}'s train_compile for {target.describe()}")
 
-        def compile_on(side: str) -> tuple[str, dict[str, Any]]:
+        def compile_on(side: str) -> dict[str, Any]:
             kwargs = {"topology": target.topology.name, "num_slices": target.num_slices}
-            return side, call(workers[side], "train_compile", **kwargs)[1]
+            return call(workers[side], "train_compile", **kwargs)[1]
 
-        # Each release compiles in its own process: side by side, the slower one sets the time.
-        with concurrent.futures.ThreadPoolExecutor(len(SIDES)) as pool:
-            facts.update(pool.map(compile_on, SIDES))
+        # Each release compiles in its own process: side by side, the slower one sets the time;
+        # a release's own exception is a finding (`release_fault`), with the other's outcome.
+        doing = f"train_compile for {target.describe()}"
+        facts.update(
+            release_fault.run_both(doing, {s: functools.partial(compile_on, s) for s in SIDES})
+        )
         sides.update(
             {side: {**w.versions(), "interpreter": w.python} for side, w in workers.items()}
         )
@@ -112,7 +115,7 @@ class _OnSlice:
     """The run's one check, as `runner.run_checks` runs a pair's own checks."""
 
     def __init__(self, check) -> None:
-        self.own_checks = {"compile": lambda _pair: check()}
+        self.own_checks = {"compile": release_fault.guarded("compile", lambda _pair: check())}
 
 
 def run_on_slice(

@@ -85,6 +85,12 @@ def twins_config(keys: dict[str, Any]) -> Any:
             "--against=twin: a pipelined config whose layers per stage are not scanned "
             "(the twins map MaxText's pipeline stacking only)"
         )
+    if cfg.num_layers_after_pipeline:
+        raise BadInput(
+            f"--against=twin: pipeline_parallel_layers={cfg.pipeline_parallel_layers} of "
+            f"{cfg.base_num_decoder_layers} layers: the twins' map carries no MaxText "
+            "layers_outside_pipeline (the pipeline check holds each release to its own reference)"
+        )
     return cfg
 
 
