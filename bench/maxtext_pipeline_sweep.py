@@ -244,13 +244,11 @@ def main() -> None:
     for row in rows:
         row["date"] = now
     if args.only and args.results.is_file():  # the other shapes' rows kept, in the space's order
-        kept = {row["shape"]: row for row in json.loads(args.results.read_text())["rows"]}
-        kept |= {row["shape"]: row for row in rows}
         order = [name_of(k) for k in space(args.space)]
-        rows = sorted(
-            kept.values(),
-            key=lambda r: order.index(r["shape"]) if r["shape"] in order else len(order),
-        )
+        before = json.loads(args.results.read_text())
+        kept = {row["shape"]: {"date": before["date"], **row} for row in before["rows"]}
+        kept |= {row["shape"]: row for row in rows}
+        rows = [kept[name] for name in order if name in kept]  # a shape the space lost: dropped
     results = {
         "date": now,
         "machine": f"{platform.node()}: {os.cpu_count()} cores, {platform.platform()}",
@@ -264,7 +262,12 @@ def main() -> None:
 
 def _verdict(part: dict) -> str:
     if not part or "status" not in part:
-        return f"exit {part.get('exit', '?')}: {part.get('message', '')[:120]}" if part else "-"
+        if not part:
+            return "-"
+        message = part.get("message", "").removeprefix("parity: error: ")
+        message = message.removeprefix("parity: internal error: ")
+        short = message if len(message) <= 160 else message[:157] + "..."
+        return f"exit {part.get('exit', '?')}: {short}"
     if part["status"] == "skipped":
         return "skipped"
     return f"{'pass' if part['status'] == 'passed' else '**FAIL**'} {part['worst']:.3g}"
@@ -272,8 +275,12 @@ def _verdict(part: dict) -> str:
 
 def markdown(results: dict) -> str:
     """The results as docs/maxtext.md's table."""
+    dates = sorted(row.get("date", results["date"]) for row in results["rows"])
+    span = dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
     lines = [
-        f"Measured {results['date']} on {results['machine']}: `{results['command']}`.",
+        f"Measured {span} on {results['machine']}: `python bench/maxtext_pipeline_sweep.py"
+        f"{' --space=shipped' if 'shipped' in results['command'] else ''}` (a row re-run with "
+        "`--only` has its own date in the results file).",
         "",
         "| shape | 0.2.3 vs its reference | 0.2.5 vs its reference | whose | twin forward, grads "
         "| s |",
@@ -284,8 +291,9 @@ def markdown(results: dict) -> str:
         per = oracle.get("per_release", {})
         cells = []
         for release in ("0.2.3", "0.2.5"):
-            if release not in per:
-                cells.append(_verdict(oracle) if "per_release" not in oracle else "-")
+            if release not in per:  # no verdict per release: the run's one line, once
+                whole = "per_release" not in oracle and not cells
+                cells.append(_verdict(oracle) if whole else "(the same run)")
                 continue
             failed = release in oracle.get("failing", [])
             cells.append(f"{'**FAIL**' if failed else 'pass'} {per[release]:.3g}")

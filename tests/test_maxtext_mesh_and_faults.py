@@ -204,3 +204,18 @@ def test_the_linen_release_failing_is_bad_input_in_one_line(sides, start):
     assert line is not None and line.startswith(start) and "\n" not in line
     assert "maxtext 0.2.3 (the linen side) raises TypeError in its own maxtext/x.py:3" in line
     assert found.result("compile").status == "bad_input"
+
+
+def test_a_mesh_across_slices_is_refused_on_the_cpu_and_compiled_for_a_tpu(tmp_path):
+    """Both releases refuse DCN axes on one host ("only one slice available") after their
+    workers start: refused before, naming `--topology`, which compiles it for slices."""
+    config = tmp_path / "c.yml"
+    config.write_text(
+        "maxtext:\n  vocab_size: 128\n  per_device_batch_size: 1\n  max_target_length: 16\n"
+        "  ici_pipeline_parallelism: 2\n  ici_fsdp_parallelism: 2\n  dcn_pipeline_parallelism: 2\n"
+    )
+    (tmp_path / "base.yml").write_text("maxtext: {}\n")
+    with pytest.raises(BadInput, match="dcn_pipeline_parallelism=2: MaxText lays DCN axes across"):
+        gate_config.load(config, [])
+    on_slices = gate_config.load(config, [], topology="v5e-4")
+    assert on_slices.mesh["dcn_pipeline_parallelism"] == 2 and on_slices.num_devices == 4

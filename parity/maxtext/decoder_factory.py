@@ -414,7 +414,7 @@ class MaxTextSide:
             loss, logits, grads, norm = jax.device_get((loss, logits, grads, norm))
             grads = _flat(grads)
             if name == "reference":
-                grads = pipeline_layout.from_reference(grads, layout, list(flat))
+                grads = pipeline_layout.from_reference(grads, layout, flat)
             arrays |= {(name, "loss"): np.asarray(loss), (name, "logits"): np.asarray(logits)}
             arrays |= {(name, "grad_norm"): np.asarray(norm)}
             arrays |= {(name, "grads", *path): np.asarray(g) for path, g in grads.items()}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import subprocess
 import tempfile
 from pathlib import Path
@@ -208,7 +209,7 @@ def load(
     if topology is None:  # on a TPU slice both releases compile what the CPU cannot run
         keys = {**keys, **{k: v for k, v in mesh.items() if ICI.match(k)}}
     resolved = {**keys, **{k: v for k, v in mesh.items() if ICI.match(k)}}
-    cpu = None if topology is not None else cpu_problem(keys)
+    cpu = None if topology is not None else cpu_problem(keys) or dcn_problem(mesh)
     for problem in (cpu, microbatch_problem(resolved, devices)):
         if problem is not None:
             raise BadInput(f"{path}: {problem}")
@@ -288,6 +289,36 @@ def cpu_problem(keys: dict[str, Any]) -> str | None:
             "agree bit for bit there, pp4 with 4 experts measured)"
         )
     return None
+
+
+# XLA:CPU aborts a process (signal 6 in `AwaitAndLogIfStuck`) whose collective has waited past
+# its terminate timeout: on a loaded 2-core host, both releases' workers running a pipeline
+# loop with captures (a host callback per module, per stage, per iteration) beside a TPU compile
+# were seen to. A worker's collective may wait as long as a call to it may run.
+COLLECTIVE_WAIT_S = 1800
+
+
+def worker_variables() -> dict[str, str]:
+    """The environment a MaxText decoder worker runs with, beyond the caller's."""
+    wait = f"--xla_cpu_collective_call_terminate_timeout_seconds={COLLECTIVE_WAIT_S}"
+    return {
+        "DECOUPLE_GCLOUD": "TRUE",
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {wait}".strip(),
+    }
+
+
+def dcn_problem(mesh: dict[str, int]) -> str | None:
+    """Why both releases refuse a mesh across slices on this CPU (one host, one slice: both
+    stop in their config reader, "DCN parallelism requested but only one slice available"),
+    or None. `--topology` compiles such a config for TPU slices."""
+    across = {k: v for k, v in mesh.items() if DCN.match(k) and v > 1}
+    if not across:
+        return None
+    axes = ", ".join(f"{k}={v}" for k, v in across.items())
+    return (
+        f"{axes}: MaxText lays DCN axes across TPU slices, and this CPU is one slice (both "
+        "releases refuse it here); compile it for slices: --checks=compile --topology=NAME"
+    )
 
 
 # The mesh axes MaxText splits a pipeline microbatch over (its `activation_batch` rule in both

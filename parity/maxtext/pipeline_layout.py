@@ -39,6 +39,20 @@ def stages(keys: dict[str, Any]) -> int:
     return int(keys.get("ici_pipeline_parallelism", 1)) * max(int(dcn), 1)
 
 
+# Decoder blocks whose scanned stack holds a block of layers per scan step (gemma3: its
+# attention pattern's six layers, and a `layers_remainder`; llama4: its dense/MoE interleave),
+# which the layer map here (one layer per scan step, `layers_<j>` slots per stage) does not carry.
+BLOCK_SCANNED = {
+    "gemma3": "gemma3 scans its layers in blocks of its attention pattern (and a layers_remainder)",
+    "llama4": "llama4 scans its layers in blocks of its dense and MoE interleave",
+}
+
+
+def unmapped(keys: dict[str, Any]) -> str | None:
+    """Why the layer map cannot carry `keys`' decoder between its layouts, or None."""
+    return BLOCK_SCANNED.get(str(keys.get("decoder_block", "llama2")).lower())
+
+
 def reference_overrides(keys: dict[str, Any]) -> dict[str, Any]:
     """The MaxText keys of `keys`' decoder without pipelining: the stage axes folded into data
     parallelism (ici and dcn alike; into nothing where another axis of that kind is -1 and
@@ -156,10 +170,12 @@ def to_reference(flat: dict[tuple[str, ...], Any], layout: Layout) -> dict[tuple
 
 
 def from_reference(
-    flat: dict[tuple[str, ...], Any], layout: Layout, pipelined_paths: list[tuple[str, ...]]
+    flat: dict[tuple[str, ...], Any], layout: Layout, pipelined: dict[tuple[str, ...], Any]
 ) -> dict[tuple[str, ...], Any]:
-    """The reference decoder's tree (weights or gradients) back on the pipelined decoder's
-    `pipelined_paths`: the inverse of `to_reference`."""
+    """The reference decoder's tree (weights or gradients) back on the paths of the pipelined
+    decoder's tree `pipelined`: the inverse of `to_reference`. A leaf of zero elements the
+    reference lacks (0.2.3 builds DeepSeek's `dense_layers` with no layer: there is nothing in
+    it) comes back as the empty array it is."""
     problems, out = [], {}
     lead = _lead(layout)
     reference = {p: np.asarray(a) for p, a in flat.items()}
@@ -173,8 +189,10 @@ def from_reference(
         used.add(key)
         return reference[key]
 
-    for path in pipelined_paths:
-        if path[: len(PIPELINE)] == PIPELINE:
+    for path, like in pipelined.items():
+        if path not in reference and not np.size(like):
+            out[path] = np.zeros(np.shape(like), np.asarray(like).dtype)
+        elif path[: len(PIPELINE)] == PIPELINE:
             slot = _slot(path[len(PIPELINE) :], layout.per_stage)
             stack = None if slot is None else stack_of(slot[1], path)
             if stack is None:

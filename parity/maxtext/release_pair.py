@@ -242,7 +242,7 @@ def start_side(
             FACTORY,
             options,
             first_batch,
-            {"DECOUPLE_GCLOUD": "TRUE"},
+            gate_config.worker_variables(),
             on_wait=gate_config.still_running,
         )
     except WorkerError as e:  # `decoder_factory.WrongRelease`: the release builds the other decoder
@@ -343,7 +343,7 @@ def layers(pair: MaxTextPair) -> Any:
     # by module (`oracle.located_records`), after the releases' own records.
     from parity.maxtext import oracle, pipeline_layout
 
-    if pipeline_layout.stages(pair.keys) > 1:
+    if pipeline_layout.stages(pair.keys) > 1 and pipeline_layout.unmapped(pair.keys) is None:
         records += oracle.located_records(pair, ("linen", "nnx"), "linen")
     result = verdict("layers", records, pair.tolerance)
     parted = [r for r in records if r["max_rel"] > 0]

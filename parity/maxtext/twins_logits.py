@@ -22,7 +22,7 @@ import numpy as np
 from migrate.checkpoints import maxtext_layouts
 from migrate.config.contract import Config
 from parity.analysis import compare
-from parity.maxtext import release_pair
+from parity.maxtext import gate_config, release_pair
 from parity.maxtext.gate_config import MaxTextConfig
 from parity.remote import protocol
 from parity.remote.client import WorkerSet
@@ -50,7 +50,7 @@ def maxtext_run(
             release_pair.FACTORY,
             {"framework": framework, "overrides": config.keys},
             batch,
-            {"DECOUPLE_GCLOUD": "TRUE"},
+            gate_config.worker_variables(),
         )
         side = RemoteSide(worker, framework, None)
         return side.run(side.from_common({"params": protocol.nest(params)}))
