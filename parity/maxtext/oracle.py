@@ -59,12 +59,13 @@ def source_of(frameworks: tuple[str, ...]) -> str:
 
 
 def _in_workers(
-    pair: Any, frameworks: tuple[str, ...], method: str, source: str
+    pair: Any, frameworks: tuple[str, ...], method: str, source: str, side_by_side: bool = True
 ) -> dict[str, tuple[dict, dict]]:
     """Per framework, its worker's `method` (a `MaxTextSide` remote method taking a weights
     file and the reference's overrides) on `source`'s initial weights: (arrays, facts). The
     workers run side by side (each builds and compiles its own reference: the releases'
-    processes share nothing); a release's own exception is `release_fault.Faults`."""
+    processes share nothing; `side_by_side=False`: one after the other), a release's own
+    exception `release_fault.Faults`."""
     plain = protocol.flatten(pair.side(source).plain(pair.weights(source, source)))
     overrides = pipeline_layout.reference_overrides(pair.keys)
     with tempfile.TemporaryDirectory(prefix="parity-maxtext-pipeline-") as directory:
@@ -78,7 +79,8 @@ def _in_workers(
             return worker.receive_tree(reply["tree"])[0], reply["facts"]
 
         doing = f"the pipeline oracle's {method}"
-        return release_fault.run_both(doing, {f: functools.partial(one, f) for f in frameworks})
+        jobs = {f: functools.partial(one, f) for f in frameworks}
+        return release_fault.run_both(doing, jobs, side_by_side)
 
 
 def reference_runs(pair: Any, frameworks: tuple[str, ...]) -> dict[str, tuple[Run, Run, dict]]:
@@ -215,7 +217,10 @@ def drill(pair: Any, frameworks: tuple[str, ...], source: str) -> dict[str, list
     order, each with its module, iteration, stage, layer, microbatch and repeat. Both runs
     take `source`'s initial weights."""
     tol = tolerance(pair.keys)
-    replies = _in_workers(pair, frameworks, "pipeline_captures", source)
+    # One release after the other: module captures are host callbacks inside the pipeline's
+    # loop, and two workers capturing at once on this host were seen to hang in XLA:CPU's
+    # collective-permute rendezvous (the releases' oracle runs, with no callback, run side by side).
+    replies = _in_workers(pair, frameworks, "pipeline_captures", source, side_by_side=False)
     return {
         framework: _capture_records(arrays, facts, tol, release_label(framework))
         for framework, (arrays, facts) in replies.items()

@@ -167,18 +167,32 @@ class Faults(Exception):
         )
 
 
-def run_both(doing: str, jobs: dict[str, Callable[[], Any]]) -> dict[str, Any]:
-    """Each side's job (side -> a call to its worker), side by side in threads: their results;
-    where a release's own code raises, `Faults` once every job has ended (what the other side
-    did is part of the finding); any other exception as it is."""
-    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        running = {side: pool.submit(job) for side, job in jobs.items()}
-        concurrent.futures.wait(running.values())
+def run_both(
+    doing: str, jobs: dict[str, Callable[[], Any]], side_by_side: bool = True
+) -> dict[str, Any]:
+    """Each side's job (side -> a call to its worker), side by side in threads (else one after
+    the other): their results; where a release's own code raises, `Faults` once every job has
+    ended (what the other side did is part of the finding); any other exception as it is."""
+    outcomes: dict[str, tuple[Any, BaseException | None]] = {}
+    if side_by_side:
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+            running = {side: pool.submit(job) for side, job in jobs.items()}
+            concurrent.futures.wait(running.values())
+        for side, future in running.items():
+            error = future.exception()
+            outcomes[side] = (None if error else future.result(), error)
+    else:
+        for side, job in jobs.items():
+            try:
+                outcomes[side] = (job(), None)
+            except Exception as e:  # classified below, with the other side's outcome
+                if from_exception(e) is None:
+                    raise
+                outcomes[side] = (None, e)
     results, faults = {}, {}
-    for side, future in running.items():
-        error = future.exception()
+    for side, (result, error) in outcomes.items():
         if error is None:
-            results[side] = future.result()
+            results[side] = result
             continue
         fault = from_exception(error)
         if fault is None:
