@@ -137,6 +137,7 @@ def test_a_bug_injected_in_the_nnx_release_is_caught_at_its_place(
         result = table[check](pair)
         control = table[unmoved](pair) if unmoved else None
         located = pair.own_checks["layers"](pair) if inside else None
+        pair_checks = {"pipeline": pair.own_checks["pipeline"](pair)} if "stage" in bug else {}
     finally:
         pair.workers["nnx"].close()
     assert result.status == "failed", result.message
@@ -148,18 +149,20 @@ def test_a_bug_injected_in_the_nnx_release_is_caught_at_its_place(
         (first,) = [r for r in located.details if r["tensor"] == inside]
         assert first["tier"] == "beyond" and first["module"] == inside.split(" ")[0]
     if bug == "reversed_stage_order":
-        # and each release against its own reference, module by module (the pipeline
-        # oracle's drill-down): 0.2.3 holds everywhere; 0.2.5's pipeline parts at the same
-        # place, a bug of the port that the oracle alone would have found
-        oracle = [r for r in located.details if "first_parting" in r]
-        assert oracle and all(r["passed"] for r in oracle if r["release"] == "0.2.3")
-        (parts,) = [r for r in oracle if r["first_parting"]]
-        assert parts["release"] == "0.2.5"
-        assert (parts["module"], parts["iteration"], parts["stage"]) == (
-            "decoder/pipeline_module/layers/self_attention/query",
-            0,
-            0,
+        # and each release against its own reference (`pipeline`): 0.2.3 holds, 0.2.5 alone
+        # parts from its own decoder without pipelining, at the same place (its drill-down):
+        # a bug of the port that the oracle alone would have found
+        oracle = pair_checks["pipeline"]
+        assert oracle.status == "failed", oracle.message
+        summary = oracle.details[0]
+        assert summary["failing_releases"] == ["0.2.5"]
+        assert summary["whose"] == (
+            "maxtext 0.2.5 alone parts from its own reference (maxtext 0.2.3 holds)"
         )
+        assert summary["parts_at"] == {
+            "0.2.5": "maxtext 0.2.5: decoder/pipeline_module/layers/self_attention/query "
+            "iteration 0 stage 0 (layer 0, microbatch 0, repeat 0)"
+        }
 
 
 @needs_envs

@@ -39,8 +39,11 @@ OUT_OF_BOUNDS = [
     ("num_experts=true", "num_experts=True: must be an integer in 1..1024"),
     ("num_pipeline_microbatches=0", "num_pipeline_microbatches=0: must be -1 or an integer"),
     ("num_pipeline_repeats=-3", "num_pipeline_repeats=-3: must be -1 or an integer in 1..1024"),
-    ("ici_fsdp_parallelism=-1", "ici_fsdp_parallelism=-1: must be a positive integer"),
-    ("ici_tensor_parallelism=1024", "ici_tensor_parallelism=1024: must be an integer in 1..512"),
+    ("ici_fsdp_parallelism=0", "ici_fsdp_parallelism=0: must be -1 or a positive integer"),
+    (
+        "ici_tensor_parallelism=1024",
+        "ici_tensor_parallelism=1024: must be -1 or an integer in 1..512",
+    ),
     ("dcn_data_parallelism=0", "dcn_data_parallelism=0: must be -1 or a positive integer"),
     ("per_device_batch_size=0", "per_device_batch_size=0: must be a number in (0, 65536]"),
     ("per_device_batch_size=0.01", "per_device_batch_size=0.01 on 8 devices: a global batch"),

@@ -139,7 +139,8 @@ def pipeline(pair: Any, frameworks: tuple[str, ...] = ("linen", "nnx")) -> Check
         "whose": whose,
     }
     source = source_of(frameworks)
-    located = located_records(pair, tuple(failing), source) if failing else []
+    drilled = tuple(frameworks) if getattr(pair, "drill_pipeline", False) else tuple(failing)
+    located = located_records(pair, drilled, source) if drilled else []
     where = [r for r in located if r.get("first_parting")]
     summary["parts_at"] = {r["release"]: r["tensor"] for r in where}
     result = verdict("pipeline", records, tol, problems)
@@ -151,9 +152,14 @@ def pipeline(pair: Any, frameworks: tuple[str, ...] = ("linen", "nnx")) -> Check
     )
     parts = "".join(f"; first parts at {r['tensor']} ({r['max_rel']:.3g})" for r in where)
     note = " (on the CPU: a --topology run compiles for TPU and runs no oracle)"
+    asked = (  # `layers` asked for beside it: every record of the drill-down
+        [r for r in located if not r["first_parting"]]
+        if getattr(pair, "drill_pipeline", False)
+        else []
+    )
     return dataclasses.replace(
         result,
-        details=(summary, *where, *result.details),
+        details=(summary, *where, *result.details, *asked),
         message=f"{result.message}; {shown}; {whose}{parts}{note if failing else ''}",
     )
 

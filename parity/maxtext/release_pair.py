@@ -117,12 +117,15 @@ class MaxTextPair(Pair):
         seed: int = 0,
         started: dict[str, RemoteSide] | None = None,
         checkpoint_steps: int = gate_config.CHECKPOINT_STEPS,
+        drill_pipeline: bool = False,
     ) -> None:
         """`started`: sides already running for this config and seed (another pair's, e.g. one
         Linen release against several NNX builds): used as they are, not restarted, and left
         running when the other side fails to start. `checkpoint_steps`: the steps 0.2.3's
-        `train.py` trains before it checkpoints (`checkpoint`)."""
+        `train.py` trains before it checkpoints (`checkpoint`). `drill_pipeline`: `pipeline`
+        drills down module by module even where it passes (`layers` asked for beside it)."""
         self.config, self.keys = config, config.keys
+        self.drill_pipeline = drill_pipeline
         self.environments, self.seed = environments, seed
         self.devices = config.num_devices
         self.checkpoint_steps = checkpoint_steps
@@ -212,7 +215,12 @@ def run_gate(
     unbuilt: release_fault.Faults | None = None
     with compiles.measure() as cost:
         try:
-            pair = MaxTextPair(config, environments, checkpoint_steps=checkpoint_steps)
+            pair = MaxTextPair(
+                config,
+                environments,
+                checkpoint_steps=checkpoint_steps,
+                drill_pipeline="layers" in selected,
+            )
         except release_fault.Faults as e:  # a release cannot build the config: no check runs
             if (bad := e.bad_input()) is not None:
                 raise BadInput(bad) from None
@@ -264,9 +272,7 @@ def layers(pair: MaxTextPair) -> Any:
     pipeline iteration and stage, in the order the program ran them: the first record that
     differs is where the releases' values part. Each record names its tier
     (`compare.tier`); a capture one release alone makes (0.2.3's Linen `Dropout`s) is a note.
-    On a pipelined config each release's pipelined run is then held to its own decoder without
-    pipelining, module by module (`oracle.located_records`: the first iteration, stage and
-    module where it parts from its reference)."""
+    (Each release against its own reference, module by module, is `pipeline`'s drill-down.)"""
     import dataclasses
     import tempfile
     from pathlib import Path
@@ -339,12 +345,6 @@ def layers(pair: MaxTextPair) -> Any:
         diff = compare.leaf_diff(label, nnx[key], linen[key], ("NNX", "Linen"))
         record = numeric_records(label, [dataclasses.replace(diff, path="")], pair.tolerance)[0]
         records.append(record | fields | {"tier": compare.tier(diff.max_rel)})
-    # A pipelined config: each release's pipelined run against its own reference too, module
-    # by module (`oracle.located_records`), after the releases' own records.
-    from parity.maxtext import oracle, pipeline_layout
-
-    if pipeline_layout.stages(pair.keys) > 1 and pipeline_layout.unmapped(pair.keys) is None:
-        records += oracle.located_records(pair, ("linen", "nnx"), "linen")
     result = verdict("layers", records, pair.tolerance)
     parted = [r for r in records if r["max_rel"] > 0]
     tiers = sorted({r["tier"] for r in parted})
