@@ -205,10 +205,12 @@ def load(
     mesh = resolve_mesh(keys, per_slice, slices, path)
     given = {**MESH_DEFAULTS, **keys}
     filled = tuple(k for k in mesh if given.get(k) == -1)
-    devices = math.prod(v for k, v in mesh.items() if ICI.match(k))
-    if topology is None:  # on a TPU slice both releases compile what the CPU cannot run
-        keys = {**keys, **{k: v for k, v in mesh.items() if ICI.match(k)}}
-    resolved = {**keys, **{k: v for k, v in mesh.items() if ICI.match(k)}}
+    ici = {k: v for k, v in mesh.items() if ICI.match(k)}
+    devices = math.prod(ici.values())
+    resolved = {**keys, **ici}
+    if topology is None:  # the CPU workers are given the filled axes; a TPU slice's fill its own
+        keys = resolved
+    # on a TPU slice both releases compile what the CPU cannot run
     cpu = None if topology is not None else cpu_problem(keys) or dcn_problem(mesh)
     for problem in (cpu, microbatch_problem(resolved, devices)):
         if problem is not None:

@@ -139,7 +139,8 @@ def pipeline(pair: Any, frameworks: tuple[str, ...] = ("linen", "nnx")) -> Check
         "whose": whose,
     }
     source = source_of(frameworks)
-    drilled = tuple(frameworks) if getattr(pair, "drill_pipeline", False) else tuple(failing)
+    every = getattr(pair, "drill_pipeline", False)  # `layers` asked for beside it
+    drilled = tuple(frameworks) if every else tuple(failing)
     located = located_records(pair, drilled, source) if drilled else []
     where = [r for r in located if r.get("first_parting")]
     summary["parts_at"] = {r["release"]: r["tensor"] for r in where}
@@ -152,11 +153,7 @@ def pipeline(pair: Any, frameworks: tuple[str, ...] = ("linen", "nnx")) -> Check
     )
     parts = "".join(f"; first parts at {r['tensor']} ({r['max_rel']:.3g})" for r in where)
     note = " (on the CPU: a --topology run compiles for TPU and runs no oracle)"
-    asked = (  # `layers` asked for beside it: every record of the drill-down
-        [r for r in located if not r["first_parting"]]
-        if getattr(pair, "drill_pipeline", False)
-        else []
-    )
+    asked = [r for r in located if not r["first_parting"]] if every else []
     return dataclasses.replace(
         result,
         details=(summary, *where, *result.details, *asked),
