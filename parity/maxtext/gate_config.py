@@ -208,9 +208,8 @@ def load(
     ici = {k: v for k, v in mesh.items() if ICI.match(k)}
     devices = math.prod(ici.values())
     resolved = {**keys, **ici}
-    if topology is None:  # the CPU workers are given the filled axes; a TPU slice's fill its own
-        keys = resolved
-    # on a TPU slice both releases compile what the CPU cannot run
+    if topology is None:  # the CPU's workers get the filled axes; on a slice each release fills
+        keys = resolved  # its own, and compiles what the CPU cannot run
     cpu = None if topology is not None else cpu_problem(keys) or dcn_problem(mesh)
     for problem in (cpu, microbatch_problem(resolved, devices)):
         if problem is not None:
