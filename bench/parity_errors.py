@@ -26,6 +26,7 @@ from migrate.config.loading import load_config  # noqa: E402
 from parity.analysis import compare  # noqa: E402
 from parity.decoder import checks as decoder_checks  # noqa: E402
 from parity.decoder.session import DecoderPair  # noqa: E402
+from parity.engine import run_loop  # noqa: E402
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIGS = tuple(sorted(p.stem for p in CONFIG_DIR.glob("llama2-tiny*.yml")))
@@ -56,8 +57,7 @@ def measure(
             row[f"pipeline/{part}"] = max(row.get(f"pipeline/{part}", 0.0), value)
         if seed == seeds[0] and not pipeline_only:
             for check in TWIN_CHECKS:
-                fn = decoder_checks.CHECKS[check]
-                result = fn(session, 3) if check == "train" else fn(session)
+                result = run_loop.call(session, check, steps=3)
                 row[check] = result.value
             efficiency = decoder_checks.efficiency(session)
             row["efficiency"] = efficiency.value

@@ -5,9 +5,15 @@
                   [--num_processes=N [--timeout_s=S] | --coordinator_address=H:P --process_id=I]
                   [--init_timeout_s=S] [--checkpoint=DIR] [--compilation_cache_dir=DIR] [--dry_run]
                   [--linen_python=PY] [--nnx_python=PY] [--linen_path=DIR] [--nnx_path=DIR]
-    parity --maxtext configs/maxtext/NAME.yml [key=value ...] [--linen_python=PY] [--nnx_python=PY]
+    parity maxtext configs/maxtext/NAME.yml [key=value ...] [--against=twin] [--topology=NAME]
+                  [--linen_python=PY] [--nnx_python=PY]    (also spelled parity --maxtext CONFIG)
 
-Exit statuses (`migrate.errors`, the largest applies): `catalog.EXIT_STATUSES`, in `--help`.
+Exit statuses (`migrate.errors`, the largest applies): `EXIT_STATUSES`, in `--help`. The checks
+are the registry's (`parity.engine.registry`); the flags are parsed here, once, into
+`parity.run_options.RunOptions`: nothing below this module reads absl.
+
+Longer than 500 lines: the front door is one job (the flags, read once; both modes' validation
+before JAX; the run of each mode), and every line past it would move absl below the door.
 
 Everything that needs no JAX is validated first: the config (bounds), the checks, the
 multi-process flags, the output paths (`--json/--junit/--plot/--golden`, and an existing golden
@@ -32,18 +38,13 @@ from migrate.config.loading import base_config_path, load_config, parse_override
 from migrate.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_USAGE, BadInput
 from migrate.runtime import cli_help, cli_support, memory
 from migrate.runtime.devices import ensure_simulated_devices
-from parity.decoder.catalog import (  # no JAX
-    ABSTRACT_CHECKS,
-    CHECK_NAMES,
-    CHECKS,
-    EXIT_STATUSES,
-    LOCAL_ONLY,
-    ON_REQUEST,
-)
+from parity.engine import registry  # no JAX
+from parity.engine.registry import Front, Need
 from parity.multiprocess import coordinator  # no JAX
 from parity.remote import environments as remote_environments  # no JAX
 from parity.reports.outputs import Outputs  # no JAX
 from parity.reports.progress import plan, progress, workers_line
+from parity.run_options import Mode, RunOptions
 
 FLAGS = flags.FLAGS
 _ABSL_FLAGS = set(FLAGS)  # absl's own (--helpfull lists them): not this command's
@@ -51,7 +52,8 @@ flags.DEFINE_list(
     "checks",
     None,
     f"Checks to run, comma-separated, or 'all'. (default: every check but "
-    f"{', '.join(ON_REQUEST)}; layers runs by itself when forward or grads fails)",
+    f"{', '.join(registry.on_request(Front.TWINS))}; layers runs by itself when forward or "
+    "grads fails)",
 )
 flags.DEFINE_integer(
     "steps",
@@ -139,7 +141,8 @@ for _side in ("linen", "nnx"):
 flags.DEFINE_boolean(
     "maxtext",
     False,
-    "CONFIG is a MaxText gate config (configs/maxtext/): MaxText's own Linen decoder (0.2.3, "
+    "As `parity maxtext CONFIG`: CONFIG is a MaxText gate config (configs/maxtext/): MaxText's "
+    "own Linen decoder (0.2.3, "
     "--linen_python) against its NNX decoder (0.2.5, --nnx_python), each built by its release "
     "from the config's MaxText keys (defaults: the environments of `make maxtext-envs`).",
 )
@@ -194,6 +197,22 @@ WORKER_FLAGS = (
     "verbose",
 )
 EXIT_WORKER = errors.EXIT_WORKER
+EXIT_STATUSES = (
+    ("0", "every check passed"),
+    ("1", "a check failed: a real parity difference"),
+    (
+        "2",
+        "bad input: usage, config, output path, golden file, too little memory, a check that "
+        "could not run on this input, a report that could not be written",
+    ),
+    (
+        "3",
+        "a lost worker (another process, or a side in another environment that died or "
+        "hung), an unreachable coordinator, a multi-process run that timed out",
+    ),
+    ("4", "an internal error: the tool or a check crashed (--verbose: the traceback)"),
+    ("128+N", "stopped by signal N (130 SIGINT, 143 SIGTERM)"),
+)
 __all__ = ["EXIT_FAIL", "EXIT_INTERNAL", "EXIT_PASS", "EXIT_USAGE", "EXIT_WORKER", "main", "run"]
 
 
@@ -201,30 +220,45 @@ def usage_error(message: str) -> int:
     return cli_support.error_line("parity", message)
 
 
-def _select_checks(known: Sequence[str] = CHECK_NAMES) -> list[str] | str:
-    if FLAGS.checks == ["all"]:
-        return list(known)
-    if FLAGS.checks is not None and not any(FLAGS.checks):  # `--checks=` or `--checks=,`
+def options(positional: list[str]) -> tuple[RunOptions, list[str]]:
+    """The flags as `RunOptions` (read once, here), and the positional arguments without the
+    `maxtext` subcommand that set its mode."""
+    maxtext = bool(positional) and positional[0] == Mode.MAXTEXT.name.lower()
+    if maxtext:
+        positional = positional[1:]
+    values = {name: FLAGS[name].value for name in OWN_FLAGS}
+    given = frozenset(name for name in OWN_FLAGS if FLAGS[name].present)
+    mode = Mode.MAXTEXT if maxtext or FLAGS.maxtext else Mode.TWINS
+    return RunOptions.of(values, given, mode), positional
+
+
+def _select_checks(options: RunOptions, front: Front) -> list[str] | str:
+    """The checks named by `--checks` (any the registry knows: `runnable` says which the front
+    end runs), or the front end's defaults; a string says what is wrong."""
+    known = [c.name for c in registry.REGISTRY if c.forms.keys() - {Front.MODULES}]
+    if options.checks == ("all",):
+        return list(registry.names(front))
+    if options.checks is not None and not any(options.checks):  # `--checks=` or `--checks=,`
         return f"--checks: no checks selected; known checks: {', '.join(known)}, all"
-    selected = FLAGS.checks or [c for c in CHECK_NAMES if c not in ON_REQUEST]
+    selected = list(options.checks or registry.defaults(front))
     unknown = [c for c in selected if c not in known]
     if unknown:
         return f"unknown checks {unknown}; known: {', '.join(known)}"
     return selected
 
 
-def _outputs(model_name: str) -> Outputs:
+def _outputs(options: RunOptions, model_name: str) -> Outputs:
     return Outputs(
-        json=FLAGS.json,
-        junit=FLAGS.junit,
-        plot=FLAGS.plot,
-        golden=FLAGS.golden,
-        update_golden=FLAGS.update_golden,
+        json=options.json,
+        junit=options.junit,
+        plot=options.plot,
+        golden=options.golden,
+        update_golden=options.update_golden,
         model_name=model_name,
     )
 
 
-def _check_work(cfg: Config, selected: Sequence[str]) -> None:
+def _check_work(options: RunOptions, cfg: Config, selected: Sequence[str]) -> None:
     """Bounds on what the selected checks would trace or allocate, before JAX."""
     if "efficiency" in selected and cfg.using_pipeline:
         # The efficiency check traces both sides unrolled: every pipeline iteration's L
@@ -236,9 +270,10 @@ def _check_work(cfg: Config, selected: Sequence[str]) -> None:
                 f"iterations {cfg.num_iterations} x L={cfg.layers_per_stage}, or "
                 f"N={cfg.base_num_decoder_layers}); at most {MAX_UNROLLED_LAYERS}"
             )
-    allocating = [c for c in selected if c not in ABSTRACT_CHECKS]
-    if allocating and FLAGS.memory_check:
-        share = 1 / FLAGS.num_processes if FLAGS.process_id is not None else 1.0
+    abstract = registry.needing(Need.ABSTRACT, selected)
+    allocating = [c for c in selected if c not in abstract]
+    if allocating and options.memory_check:
+        share = 1 / options.num_processes if options.process_id is not None else 1.0
         memory.check_fits(memory.estimate(cfg, copies=2), share, f"--checks={','.join(allocating)}")
 
 
@@ -252,78 +287,76 @@ def run(argv: Sequence[str]) -> int:
 
 
 def _run(argv: Sequence[str]) -> int:
-    positional = list(argv[1:])
+    opts, positional = options(list(argv[1:]))
     if not positional:
         return usage_error("missing CONFIG (for example configs/llama2-tiny.yml)")
-    cache = FLAGS.compilation_cache_dir if FLAGS["compilation_cache_dir"].present else ""
+    cache = opts.compilation_cache_dir if opts.present("compilation_cache_dir") else ""
     if cache and (why := cli_support.unwritable_reason(Path(cache).expanduser())):  # as given
         return usage_error(f"--compilation_cache_dir={cache}: {why}")  # (a default: uncached)
-    if FLAGS.maxtext:
-        return _run_maxtext(positional)
-    if FLAGS["against"].present:
-        return usage_error("--against: only with --maxtext")
+    if opts.mode is Mode.MAXTEXT:
+        return _run_maxtext(opts, positional)
+    if opts.present("against"):
+        return usage_error("--against: only with --maxtext (`parity maxtext CONFIG`)")
     stored = None
     path = resolve(positional[0])  # a shipped config's name: its file, for workers too
-    if FLAGS.checkpoint is None:
+    if opts.checkpoint is None:
         cfg = load_config(path, positional[1:])
         progress(f"config {path} over {base_config_path(path)}")
     else:  # overrides and the checkpoint's layout applied as `migrate` applies them
-        if FLAGS.num_processes > 1:
+        if opts.num_processes > 1:
             return usage_error("--checkpoint runs in one process (--num_processes=1)")
-        stored = meta.read_meta(FLAGS.checkpoint)  # validated before its keys are used
+        stored = meta.read_meta(opts.checkpoint)  # validated before its keys are used
         changes = parse_overrides(positional[1:])
         cfg = meta.stored_config(stored, load_config(path), changes)
-    selected = _select_checks()
+    selected = _select_checks(opts, Front.TWINS)
     if isinstance(selected, str):
         return usage_error(selected)
+    if not_here := [c for c in selected if not registry.get(c).runs_on(Front.TWINS)]:
+        return usage_error(f"--checks: {', '.join(not_here)}: only with `parity maxtext CONFIG`")
     # validated before JAX; another checkout must hold the twins' worker factory
-    environments = remote_environments.from_flags(FLAGS, ["parity/decoder/remote_twins.py"])
+    environments = remote_environments.from_options(
+        opts.sides, opts.num_processes, opts.checkpoint, ["parity/decoder/remote_twins.py"]
+    )
     if environments is not None:
-        local_only = [c for c in selected if c in LOCAL_ONLY]
+        local_only = registry.needing(Need.IN_PROCESS, selected)
         if local_only:
             progress(f"not across processes, skipped: {', '.join(local_only)}")
-        selected = [c for c in selected if c not in LOCAL_ONLY]
+        selected = [c for c in selected if c not in local_only]
         if not selected:  # nothing to run in the workers: refused before they start
             return usage_error(f"--checks: {', '.join(local_only)} need the twins in this process")
-    coordinator.check_process_flags(
-        cfg, FLAGS.num_processes, FLAGS.process_id, FLAGS.coordinator_address
-    )
-    processes = FLAGS.num_processes
+    processes = opts.num_processes
+    coordinator.check_process_flags(cfg, processes, opts.process_id, opts.coordinator_address)
     from parity.tpu import topologies  # no JAX
 
     elsewhere = environments is not None or processes > 1
-    target = topologies.twins_target(cfg, selected, elsewhere, FLAGS.topology, FLAGS.num_slices)
-    _check_work(cfg, selected)
-    reports = FLAGS.process_id in (None, 0)  # only process 0 writes reports
-    outputs = _outputs(cfg.model_name) if reports else None  # creates missing report folders
-    if FLAGS.dry_run:
+    target = topologies.twins_target(cfg, selected, elsewhere, opts.topology, opts.num_slices)
+    _check_work(opts, cfg, selected)
+    reports = opts.process_id in (None, 0)  # only process 0 writes reports
+    outputs = _outputs(opts, cfg.model_name) if reports else None  # creates report folders
+    if opts.dry_run:
         on = f"; compile for {target.describe()}" if target is not None else ""
-        print(
-            f"{plan(cfg, selected, FLAGS.num_processes)}{on}; "
-            f"memory {memory.estimate(cfg).describe()}"
-        )
+        print(f"{plan(cfg, selected, processes)}{on}; memory {memory.estimate(cfg).describe()}")
         return EXIT_PASS
-    if processes > 1 and FLAGS.process_id is None:
+    if processes > 1 and opts.process_id is None:
         from parity.multiprocess import launch  # the local launcher never imports JAX
 
-        args = [*positional, *(FLAGS[n].serialize() for n in WORKER_FLAGS if FLAGS[n].present)]
-        return launch.launch(args, processes, cfg.num_devices // processes, FLAGS.timeout_s)
+        args = [*positional, *(FLAGS[n].serialize() for n in WORKER_FLAGS if opts.present(n))]
+        return launch.launch(args, processes, cfg.num_devices // processes, opts.timeout_s)
     ensure_simulated_devices(cfg.num_devices // processes)
 
     from parity.multiprocess import distributed  # JAX starts here
 
     if processes > 1:
         distributed.initialize(
-            FLAGS.coordinator_address, processes, FLAGS.process_id, FLAGS.init_timeout_s
+            opts.coordinator_address, processes, opts.process_id, opts.init_timeout_s
         )
-    from parity.decoder import runner
     from parity.decoder.session import DecoderPair
-    from parity.engine import compiles
+    from parity.engine import compiles, run_loop
     from parity.engine.result import EXIT_STATUS
     from parity.reports import report
 
-    compiles.use_compilation_cache(FLAGS.compilation_cache_dir)
-    compiles.ECHO_PARTITIONER_WARNINGS[0] = FLAGS.verbose
+    compiles.use_compilation_cache(opts.compilation_cache_dir)
+    compiles.echo_partitioner_warnings(opts.verbose)
 
     if environments is not None:
         from parity.decoder import remote_twins
@@ -331,16 +364,15 @@ def _run(argv: Sequence[str]) -> int:
         pair = remote_twins.RemoteDecoderPair(cfg, path, positional[1:], environments)
         progress(f"sides in workers: {pair.workers.describe(environments)}")
     else:
-        pair = DecoderPair(cfg)
-        pair.topology = target
+        pair = DecoderPair(cfg, topology=target)
     if stored is not None:
         from migrate.checkpoints import checkpoint_io, train_state
 
         spec = train_state.Spec(stored["framework"], stored["layout"], cfg)
-        state = checkpoint_io.restore(FLAGS.checkpoint, spec, pair.mesh, stored)
+        state = checkpoint_io.restore(opts.checkpoint, spec, pair.mesh, stored)
         pair.use_weights(spec.framework, state.params)
-        progress(f"weights from {FLAGS.checkpoint}: {spec.describe()}, step {state.step}")
-    progress(plan(cfg, selected, FLAGS.num_processes))
+        progress(f"weights from {opts.checkpoint}: {spec.describe()}, step {state.step}")
+    progress(plan(cfg, selected, processes))
     main = distributed.is_main()  # only process 0 prints the table and writes reports
     golden = []
     if outputs is not None and outputs.golden is not None:
@@ -348,9 +380,8 @@ def _run(argv: Sequence[str]) -> int:
 
         golden = [("golden", lambda: golden_result(pair, outputs, write=main))]
     try:  # the sides' workers stop however the checks end (a lost worker, an interrupt)
-        results, costs = runner.run_checks(
-            pair, selected, FLAGS.steps, environments is None, golden
-        )
+        drill_down = environments is None
+        results, costs = run_loop.run_checks(pair, selected, opts.steps, drill_down, golden)
         if environments is not None:
             progress(workers_line(*pair.workers.call_and_transfer_seconds()))
     finally:
@@ -364,50 +395,54 @@ def _run(argv: Sequence[str]) -> int:
     return distributed.worst_status(status)
 
 
-def _run_maxtext(positional: Sequence[str]) -> int:
-    """`parity --maxtext CONFIG`: MaxText's two releases, each in its worker. Everything that
+def _run_maxtext(opts: RunOptions, positional: Sequence[str]) -> int:
+    """`parity maxtext CONFIG`: MaxText's two releases, each in its worker. Everything that
     needs no worker is refused first: the flags it does not take, the config's bounds, the
     checks, the memory both workers need at least, the environments, the output paths."""
     from parity.maxtext import gate_config, gate_memory
 
-    if FLAGS.golden is not None or FLAGS.update_golden:
+    if opts.golden is not None or opts.update_golden:
         return usage_error(
             "--golden/--update_golden: golden sharding reports are the twins' (parity CONFIG), "
-            "not with --maxtext"
+            "not with `parity maxtext`"
         )
     path = resolve(positional[0], "maxtext")
-    config = gate_config.load(path, positional[1:], FLAGS.topology, FLAGS.num_slices)
+    config = gate_config.load(path, positional[1:], opts.topology, opts.num_slices)
     progress(f"config {path} over {base_config_path(path, 'maxtext')}")
-    given = FLAGS.checks is not None  # `--checks=` (empty) is refused, as without --maxtext
-    selected = _select_checks(gate_config.CHECK_NAMES) if given else list(gate_config.CHECKS)
+    against_twin = opts.against == "twin"
+    if opts.topology is not None:
+        front = Front.MAXTEXT_SLICE
+    else:
+        front = Front.MAXTEXT_TWIN if against_twin else Front.MAXTEXT
+    selected = _select_checks(opts, Front.MAXTEXT)  # `--checks=` (empty) is refused too
     if isinstance(selected, str):
         return usage_error(selected)
-    selected, skipped = gate_config.runnable(selected)  # BadInput when none can run
-    target = gate_config.tpu_target(config, selected, FLAGS.topology, FLAGS.num_slices)
-    if target is not None and FLAGS.against != "release":
+    target = gate_config.tpu_target(config, selected, opts.topology, opts.num_slices)
+    selected, skipped = gate_config.runnable(selected, front)  # BadInput when none can run
+    if target is not None and against_twin:
         return usage_error("--topology with --maxtext compiles the two releases: not --against")
     checkpoint_steps = gate_config.CHECKPOINT_STEPS
-    if "checkpoint" in selected and FLAGS["steps"].present:
-        if FLAGS.steps < 1:
+    if "checkpoint" in selected and opts.present("steps"):
+        if opts.steps < 1:
             return usage_error(
-                f"--steps={FLAGS.steps}: the checkpoint check trains at least one step before "
+                f"--steps={opts.steps}: the checkpoint check trains at least one step before "
                 "it checkpoints"
             )
-        checkpoint_steps = FLAGS.steps
+        checkpoint_steps = opts.steps
     if skipped:
         progress(f"not with --maxtext (the twins' checks), skipped: {', '.join(skipped)}")
     estimate = gate_memory.estimate(config) if target is None else None  # nothing allocated
-    if FLAGS.memory_check and estimate is not None:
+    if opts.memory_check and estimate is not None:
         memory.check_fits(estimate, 1.0, f"--maxtext {positional[0]} (both releases' workers)")
-    environments = gate_config.environments(FLAGS)
+    environments = gate_config.environments(opts)
     if target is not None:
         gate_config.check_tpu_environments(environments)
-    outputs = _outputs(config.model_name)
-    if FLAGS.dry_run and target is not None:
+    outputs = _outputs(opts, config.model_name)
+    if opts.dry_run and target is not None:
         on = f"each release's train_compile for {target.describe()}"
         print(f"{config.describe()}; checks: compile, {on}")
         return EXIT_PASS
-    if FLAGS.dry_run:
+    if opts.dry_run:
         trained = (
             f"; checkpoint after {checkpoint_steps} steps of 0.2.3's train.py"
             if "checkpoint" in selected
@@ -432,18 +467,18 @@ def _run_maxtext(positional: Sequence[str]) -> int:
     from parity.maxtext import release_pair
     from parity.reports import report
 
-    compiles.use_compilation_cache(FLAGS.compilation_cache_dir)  # the workers compile through it
+    compiles.use_compilation_cache(opts.compilation_cache_dir)  # the workers compile through it
     if target is not None:
         from parity.maxtext import tpu_gate
 
         results, costs, sides = tpu_gate.run_on_slice(config, environments, target)
-    elif FLAGS.against == "twin":
+    elif against_twin:
         from parity.maxtext import twin_gate
 
-        results, costs, sides = twin_gate.run_gate(config, environments, selected, FLAGS.steps)
+        results, costs, sides = twin_gate.run_gate(config, environments, selected, opts.steps)
     else:
         results, costs, sides = release_pair.run_gate(
-            config, environments, selected, FLAGS.steps, checkpoint_steps
+            config, environments, selected, opts.steps, checkpoint_steps
         )
     report.render_table(results, config.model_name, costs=costs)
     status = max(EXIT_STATUS[r.status] for r in results)
@@ -470,11 +505,17 @@ def main() -> None:
 def help_text() -> str:
     """`parity --help`: usage, the checks, this command's flags with defaults, exit statuses."""
     title, usage = __doc__.split("\n\n")[:2]
-    on_request = f" (on request: {', '.join(ON_REQUEST)}; --checks=all runs every one)"
+    requested = ", ".join(registry.on_request(Front.TWINS))
+    on_request = f" (on request: {requested}; --checks=all runs every one)"
+    twins = set(registry.names(Front.TWINS))
+    maxtext_only = [(n, h) for n, h in registry.help_lines(Front.MAXTEXT) if n not in twins]
     return cli_help.help_text(
         title,
         usage,
-        [("checks" + on_request, CHECKS.items())],
+        [
+            ("checks" + on_request, registry.help_lines(Front.TWINS)),
+            ("parity maxtext CONFIG also runs", maxtext_only),
+        ],
         FLAGS,
         OWN_FLAGS,
         EXIT_STATUSES,

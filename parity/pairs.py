@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -40,34 +40,21 @@ from migrate.checkpoints.convert import ConversionError
 from migrate.config.contract import Rules
 from migrate.errors import EXIT_PASS
 from parity.analysis import compare
-from parity.engine import numeric, order, pair_args, programs, randomness
+from parity.engine import order, pair_args, registry, run_loop
 from parity.engine.calls import DEFAULT_COLLECTIONS, Call, Randomness, is_float, named
 from parity.engine.modules import LinenModuleSide, LossFn, NNXModuleSide, mean_square_loss
 from parity.engine.pair import Pair, vacuity_problems
 from parity.engine.pair_args import PairArgumentError
 from parity.engine.programs import PROGRAM_PRIMITIVES, count_primitives
+from parity.engine.registry import Check, Front, Need
 from parity.engine.renames import nnx_leaves
 from parity.engine.renames import suggest as suggest_renames
 from parity.engine.result import EXIT_STATUS, CheckResult, errored, skipped
 from parity.engine.side import Run
 from parity.reports import report
 
-CHECKS = ("roundtrip", "forward", "grads", "sharding")  # the default set
-# Every check a module pair can run (`checks=`), in the order they are given.
-AVAILABLE = {
-    "roundtrip": numeric.roundtrip,
-    "init": numeric.init,
-    "forward": numeric.forward,
-    "grads": numeric.grads,
-    "sharding": programs.sharding,
-    "program": programs.program,
-    "train": numeric.train,
-    "layers": numeric.layers,
-    "random": randomness.random,
-}
-# Checks that run the compared calls: skipped when every call is stochastic without aligned
-# keys (the `random` check compares those).
-RUNS_CALLS = frozenset({"forward", "grads", "sharding", "program", "train", "layers"})
+CHECKS = registry.defaults(Front.MODULES)  # the default set
+AVAILABLE = registry.names(Front.MODULES)  # every check a module pair can run (`checks=`)
 MAX_REPORTED = report.MAX_LISTED  # failing records listed per check by `format_report`
 ROUNDTRIP_NOTE = "weights moved both ways: bit-exact, same dtypes"
 TRAIN_STEPS = 3  # optimizer steps of the `train` check
@@ -78,6 +65,7 @@ Path = tuple[str, ...]
 class ModulePair(Pair):
     """A contributor's Linen module and NNX port, called the same way on both sides."""
 
+    front = Front.MODULES
     roundtrip_note = ROUNDTRIP_NOTE
     program_name = "forward+backward"
     # Outputs, state and sown values flow forward: the first that differs is the place (the
@@ -119,6 +107,12 @@ class ModulePair(Pair):
         if not run.grads:
             problems = [p for p in problems if not p.startswith("gradient norm")]
         return problems
+
+    def prepared(self, check: Check, function: Callable[..., Any]) -> Callable[..., Any]:
+        """`check` skipped where it has nothing to compare on these calls; its verdict notes
+        the calls it left out and the inputs' gradients not compared; a converter mismatch
+        suggests the renames that fit."""
+        return functools.partial(_run_check, check, function)
 
 
 def compare_modules(
@@ -197,11 +191,15 @@ def compare_modules(
         rules,
         mesh,
     )
-    return [_run_check(pair, name) for name in selected]
+    quiet = lambda _line: None  # a library call prints nothing
+    return run_loop.run_checks(pair, selected, TRAIN_STEPS, say=quiet)[0]
 
 
-def _run_check(pair: ModulePair, name: str) -> CheckResult:
-    if name in RUNS_CALLS and not any(c.compared_exactly for c in pair.calls):
+def _run_check(
+    check: Check, function: Callable[..., CheckResult], pair: ModulePair, *args: Any
+) -> CheckResult:
+    name, runs_calls = check.name, Need.CALLS in check.needs
+    if runs_calls and not any(c.compared_exactly for c in pair.calls):
         return skipped(
             name,
             "max_rel",
@@ -215,17 +213,14 @@ def _run_check(pair: ModulePair, name: str) -> CheckResult:
         reason = "no parameters and no floating-point inputs: the module is compared on outputs"
         return skipped(name, "max_rel", 0.0, reason)
     try:
-        check = AVAILABLE[name]
-        result = check(pair, TRAIN_STEPS) if name == "train" else check(pair)
-        errors = {s.input_grads_error for s in pair.sides() if s.input_grads_error}
-        if name == "grads" and errors:  # the parameters' gradients were still compared
-            note = f"the inputs' gradients not compared ({'; '.join(sorted(errors))})"
-            result = dataclasses.replace(result, message=f"{result.message}; {note}")
-        return _with_calls_not_run(result, pair) if name in RUNS_CALLS else result
+        result = function(pair, *args)
     except ConversionError as error:  # paths that differ: suggest the renames that fit
         return _with_renames(errored(name, error), pair)
-    except Exception as error:  # a failing check, reported
-        return errored(name, error)
+    errors = {s.input_grads_error for s in pair.sides() if s.input_grads_error}
+    if name == "grads" and errors:  # the parameters' gradients were still compared
+        note = f"the inputs' gradients not compared ({'; '.join(sorted(errors))})"
+        result = dataclasses.replace(result, message=f"{result.message}; {note}")
+    return _with_calls_not_run(result, pair) if runs_calls else result
 
 
 def _with_calls_not_run(result: CheckResult, pair: ModulePair) -> CheckResult:

@@ -18,6 +18,8 @@ from migrate.common import placement
 from migrate.runtime import devices
 from parity import cli
 from parity.decoder import cost
+from parity.engine import registry
+from parity.engine.registry import Front
 from parity.reports import report
 
 REPO = Path(__file__).resolve().parent.parent
@@ -182,7 +184,7 @@ def test_every_check_passes_on_every_shipped_tiny_config(name, tmp_path, capsys)
     assert data["version"] == report.JSON_SCHEMA_VERSION and data["passed"] is True
     assert data["config"] == name
     checks = {c["name"]: c for c in data["checks"]}
-    assert list(checks) == [*cli.CHECK_NAMES, "golden"]
+    assert list(checks) == [*registry.names(Front.TWINS), "golden"]
     assert set(data["cost"]["programs"]) <= GATE_PROGRAMS, data["cost"]["programs"]
     for check in data["checks"]:
         assert set(check["worst"]) == {"metric", "value", "tolerance", "where"}

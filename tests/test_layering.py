@@ -169,18 +169,56 @@ def test_every_module_imports_alone():
     assert not failed, failed
 
 
-def test_both_front_ends_run_the_engine_checks():
-    """`parity CONFIG` and `compare_modules` call the same check functions: no numeric or
-    sharding comparison lives in only one of them."""
-    from parity import cli, pairs
-    from parity.decoder import checks as decoder_checks
-    from parity.engine import numeric, programs
+def test_the_front_ends_run_the_engine_checks():
+    """`parity CONFIG`, `compare_modules` and the MaxText gates run the same check functions:
+    no numeric or sharding comparison lives in only one of them (the twins' `program` is the
+    engine's, read from the TPU programs with `--topology`)."""
+    from parity.engine import numeric, programs, registry
+    from parity.engine.registry import Front
 
-    assert list(decoder_checks.CHECKS) == list(cli.CHECK_NAMES)
-    shared = {"roundtrip", "init", "forward", "grads", "sharding", "program", "train", "layers"}
-    for name in shared:
-        assert decoder_checks.CHECKS[name] is pairs.AVAILABLE[name], name
-        assert decoder_checks.CHECKS[name].__module__ in (numeric.__name__, programs.__name__)
+    engine = (numeric.__name__, programs.__name__)
+    for check in registry.REGISTRY:
+        forms = {front: check.function(front) for front in check.forms}
+        shared = {f for f in (Front.TWINS, Front.MODULES, Front.MAXTEXT_TWIN) if f in forms}
+        if forms.get(Front.MODULES) is not None and forms[Front.MODULES].__module__ in engine:
+            different = {f.name for f in shared if forms[f] is not forms[Front.MODULES]}
+            assert different <= ({"TWINS"} if check.name == "program" else set()), check.name
+
+
+def test_every_check_is_declared_once_and_resolves():
+    """Each registry entry names a callable for every front end it runs on, a one-line help,
+    and the commands take their checks, help and defaults from it (no list of their own)."""
+    from parity import cli, pairs
+    from parity.engine import registry
+    from parity.engine.registry import Front
+
+    assert len(registry.BY_NAME) == len(registry.REGISTRY)
+    for check in registry.REGISTRY:
+        assert check.help and "\n" not in check.help, check.name
+        assert check.default <= check.forms.keys(), check.name
+        for front in check.forms:
+            assert callable(check.function(front)), (check.name, front)
+    assert registry.names(Front.MODULES) == pairs.AVAILABLE
+    assert registry.defaults(Front.MODULES) == pairs.CHECKS
+    page = cli.help_text()
+    assert all(f"  {name}" in page for name, _ in registry.help_lines(Front.MAXTEXT))
+
+
+def test_no_flags_below_the_front_doors():
+    """Only the commands read absl's flags (`parity/cli.py`, `migrate/cli.py`, and the help
+    page both render from the flags' definitions): everything below takes the options they
+    parsed (`parity.run_options.RunOptions`)."""
+    doors = {"parity.cli", "migrate.cli", "migrate.runtime.cli_help"}
+    readers = set()
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = {alias.name for alias in getattr(node, "names", ())}
+            from_absl = isinstance(node, ast.ImportFrom) and node.module == "absl"
+            if (from_absl and "flags" in names) or (
+                isinstance(node, ast.Import) and any(n.startswith("absl.flags") for n in names)
+            ):
+                readers.add(name)
+    assert readers == doors, readers ^ doors
 
 
 def test_one_module_name_one_job():

@@ -13,6 +13,8 @@ import pytest
 from hostile import REPO, refused, run
 
 from migrate import errors
+from parity.engine import registry, run_loop
+from parity.engine.registry import Front
 from parity.maxtext import gate_config
 
 pytestmark = pytest.mark.slow
@@ -48,7 +50,7 @@ def test_maxtext_linen_and_nnx_releases_agree(config, tmp_path):
     status, report, err = gate(tmp_path, config)
     assert status == 0, err[-3000:]
     checks = {c["name"]: c for c in report["checks"]}
-    assert list(checks) == list(gate_config.CHECKS)
+    assert list(checks) == list(registry.defaults(Front.MAXTEXT))
     for name in ("forward", "grads", "train"):
         assert checks[name]["message"] == "identical computation: bit-exact", name
     pipeline = checks["pipeline"]
@@ -136,8 +138,8 @@ def test_a_bug_injected_in_the_nnx_release_is_caught_at_its_place(
     try:
         result = table[check](pair)
         control = table[unmoved](pair) if unmoved else None
-        located = pair.own_checks["layers"](pair) if inside else None
-        pair_checks = {"pipeline": pair.own_checks["pipeline"](pair)} if "stage" in bug else {}
+        located = run_loop.call(pair, "layers") if inside else None
+        pair_checks = {"pipeline": run_loop.call(pair, "pipeline")} if "stage" in bug else {}
     finally:
         pair.workers["nnx"].close()
     assert result.status == "failed", result.message

@@ -13,6 +13,7 @@ import types
 import pytest
 from hostile import REPO, refused, run
 
+from parity.engine.registry import Front
 from parity.maxtext import decoder_factory, gate_config
 from parity.remote import client, worker
 from parity.remote.environments import Environment
@@ -57,9 +58,11 @@ def test_only_twin_checks_refused_before_anything_starts(tmp_path):
 
 
 def test_runnable_splits_the_selection():
-    """pipeline, compile and layers are the gate's own (`gate_config.OWN_CHECKS`: pipeline each
-    release against its own decoder without pipelining); bubbles calls the project's twins."""
-    assert gate_config.runnable(["pipeline", "bubbles", "forward", "compile", "layers"]) == (
+    """pipeline, compile and layers have the gate's own forms (the registry's `Front.MAXTEXT`:
+    pipeline each release against its own decoder without pipelining); bubbles calls the
+    project's twins."""
+    selected = ["pipeline", "bubbles", "forward", "compile", "layers"]
+    assert gate_config.runnable(selected, Front.MAXTEXT) == (
         ["pipeline", "forward", "compile", "layers"],
         ["bubbles"],
     )

@@ -222,7 +222,9 @@ def test_help_is_the_front_door(program):
     statuses; exit 0 and no JAX start-up (absl alone showed only "Try --helpfull" for parity)."""
     from migrate import cli as migrate_cli
     from parity import cli as parity_cli
-    from parity.decoder.catalog import CHECKS
+    from parity.engine import registry
+
+    CHECKS = dict(registry.help_lines(registry.Front.TWINS))
 
     script = Path(sys.executable).parent / program
     helped = subprocess.run(

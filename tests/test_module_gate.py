@@ -16,6 +16,7 @@ from flax import nnx
 from migrate import errors
 from parity import pairs
 from parity.analysis import compare
+from parity.engine import numeric
 from parity.engine.result import CheckResult
 from parity.pairs import Call, PairArgumentError, Randomness, compare_modules, format_report
 
@@ -279,7 +280,7 @@ def test_a_harness_error_is_an_internal_error(monkeypatch):
     def crash(pair):
         raise KeyError("a bug in the harness")
 
-    monkeypatch.setitem(pairs.AVAILABLE, "forward", crash)
+    monkeypatch.setattr(numeric, "forward", crash)  # the registry imports it at the call
     results = compare_modules(LinenBlock(), port(), ALIGNED, checks=["forward"])
     assert [r.status for r in results] == ["errored"]
     assert pairs.exit_status(results) == errors.EXIT_INTERNAL

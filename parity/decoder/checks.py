@@ -1,17 +1,16 @@
-"""The checks only a pipelined decoder has, and the `parity CONFIG` check list.
+"""The checks only a pipelined decoder has (`parity.engine.registry` lists every check).
 
 `pipeline` (pipelined against the non-pipelined reference, within each framework), `bubbles`
 (NaN in the pipeline buffers reaches nothing), `compile` (both twins' train steps compiled from
-abstract inputs: memory, FLOPs, collectives, the loop body at the schedule's minimum) and
-`efficiency` (the pipeline's matmul work against the schedule's theory) take a `DecoderPair`;
-the rest of `CHECKS` are the engine's, written once over any pair.
+abstract inputs: memory, FLOPs, collectives, the loop body at the schedule's minimum),
+`efficiency` (the pipeline's matmul work against the schedule's theory) and `program` (the
+engine's, or with `--topology` the TPU programs) take a `DecoderPair`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 
 from jax.sharding import Mesh
 
@@ -20,7 +19,7 @@ from parity.analysis import compare, hlo
 from parity.decoder import cost, slices
 from parity.decoder import efficiency as pipeline_work
 from parity.decoder.session import BUBBLE_POISON, DecoderPair
-from parity.engine import numeric, programs
+from parity.engine import programs
 from parity.engine.numeric import run_records, vacuity
 from parity.engine.result import CheckResult, human_bytes, skipped, verdict
 
@@ -98,6 +97,16 @@ INFORMATIONAL_COSTS = (
 EFFICIENCY_TOLERANCE = 0.001
 
 
+def program(pair: DecoderPair) -> CheckResult:
+    """Both train steps compared instruction by instruction (`programs.program`); with
+    `--topology`, the programs XLA:TPU compiled for the slice."""
+    if pair.topology is None:
+        return programs.program(pair)
+    from parity.tpu import check as tpu_check
+
+    return tpu_check.program_on_slice(pair.on_slice())
+
+
 def compile_cost(pair: DecoderPair) -> CheckResult:
     """Both twins' whole train steps compiled from abstract inputs (no weights allocated):
     per-device memory (arguments, temp, outputs, the bytes aliased by donation, and the peak
@@ -105,7 +114,7 @@ def compile_cost(pair: DecoderPair) -> CheckResult:
     than Linen beyond COST_TOLERANCE, must alias as much, and must issue the same
     collectives."""
     cfg, mesh = pair.cfg, pair.mesh
-    if getattr(pair, "topology", None) is not None:  # `--topology`: XLA:TPU's programs
+    if pair.topology is not None:  # `--topology`: XLA:TPU's programs
         from parity.tpu import check as tpu_check
 
         on_slice = pair.on_slice()
@@ -396,20 +405,3 @@ def efficiency(pair: DecoderPair) -> CheckResult:
         "the loop's elementwise "
         f"work adds {measured.loop_elementwise_overhead:.2%} of the matmul work",
     )
-
-
-# The `parity CONFIG` checks, in the order they run and are reported.
-CHECKS: dict[str, Callable[..., CheckResult]] = {
-    "roundtrip": numeric.roundtrip,
-    "init": numeric.init,
-    "forward": numeric.forward,
-    "grads": numeric.grads,
-    "sharding": programs.sharding,
-    "program": programs.program,
-    "pipeline": pipeline,
-    "bubbles": bubbles,
-    "train": numeric.train,
-    "layers": numeric.layers,
-    "compile": compile_cost,
-    "efficiency": efficiency,
-}

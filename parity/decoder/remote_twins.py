@@ -4,7 +4,7 @@
 The gate for "the model before my change" (one environment or checkout) against "after"
 (another): both sides run the checkout and interpreter given for them, the harness only
 compares. The engine's checks run as for the in-process pair; those that call the twins'
-functions directly (`catalog.LOCAL_ONLY`: pipeline against reference, bubbles, the drill-down,
+functions directly (`registry.Need.IN_PROCESS`: pipeline against reference, bubbles, the drill-down,
 compile and efficiency from abstract shapes) are not available across processes.
 
 Two halves: `make`, the worker's factory (`parity.decoder.remote_twins:make`, run in the

@@ -21,6 +21,7 @@ from parity.decoder import drilldown, twins
 from parity.decoder.data import synthetic_batch
 from parity.decoder.sides import LinenDecoderSide, NNXDecoderSide
 from parity.engine.pair import SOURCES, Pair, lm_vacuity_problems
+from parity.engine.registry import Front
 from parity.engine.result import exact_records
 from parity.engine.side import Run
 from parity.multiprocess import distributed
@@ -33,6 +34,7 @@ BUBBLE_POISON = float("nan")
 class DecoderPair(Pair):
     """The Linen and NNX decoders of `cfg` on its mesh, held to the twin tolerance (exact)."""
 
+    front = Front.TWINS
     output_name = "logits"
     program_name = "train step"
     # `--topology`: the slice the `compile` and `program` checks compile for
@@ -49,17 +51,8 @@ class DecoderPair(Pair):
             self._on_slice = tpu_check.compile_on_slice(self.cfg, self.topology)
         return self._on_slice
 
-    @property
-    def own_checks(self) -> dict[str, Any]:
-        """With `--topology`, the `program` check reads the TPU programs."""
-        if self.topology is None:
-            return {}
-        from parity.tpu import check as tpu_check
-
-        return {"program": lambda pair: tpu_check.program_on_slice(pair.on_slice())}
-
-    def __init__(self, cfg: Config, bubble_fill: float = 0.0) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: Config, bubble_fill: float = 0.0, topology: Any = None) -> None:
+        self.cfg, self.topology = cfg, topology
         self.bubble_fill = bubble_fill
         self.mesh = sharding_lib.make_mesh(cfg)
         self.rules = cfg.logical_axis_rules

@@ -197,8 +197,13 @@ _REMAT = re.compile(
     r"(?P<target>\{.*?\}) efficiently for HLO operation (?P<name>%\S+) = "
     r"(?P<dtype>[a-z]+\d*)\[(?P<shape>[\d,]*)\]"
 )
-# Set by `parity --verbose`: the partitioner's warnings are echoed as they come.
-ECHO_PARTITIONER_WARNINGS = [False]
+_echo_partitioner_warnings = False  # `echo_partitioner_warnings`
+
+
+def echo_partitioner_warnings(echo: bool) -> None:
+    """Echo the partitioner's warnings as they come (`parity --verbose`), or keep them."""
+    global _echo_partitioner_warnings
+    _echo_partitioner_warnings = echo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,9 +244,9 @@ def parse_remats(text: str) -> tuple[Remat, ...]:
 @contextlib.contextmanager
 def compiler_output(noise: re.Pattern | None = None) -> Iterator[list[str]]:
     """Capture what the compiler writes to stderr (file descriptor 2) in the block: the
-    partitioner's warnings are kept (echoed only with ECHO_PARTITIONER_WARNINGS), lines that
-    match `noise` are kept and never echoed, every other line is passed on to stderr when the
-    block ends."""
+    partitioner's warnings are kept (echoed only after `echo_partitioner_warnings(True)`),
+    lines that match `noise` are kept and never echoed, every other line is passed on to
+    stderr when the block ends."""
     captured: list[str] = []
     sys.stderr.flush()
     saved = os.dup(2)
@@ -258,7 +263,7 @@ def compiler_output(noise: re.Pattern | None = None) -> Iterator[list[str]]:
     passed_on = [
         line
         for line in captured
-        if (ECHO_PARTITIONER_WARNINGS[0] or not _REMAT.search(line))
+        if (_echo_partitioner_warnings or not _REMAT.search(line))
         and not (noise is not None and noise.search(line))
     ]
     if passed_on:

@@ -379,13 +379,3 @@ def layers(pair: Pair) -> CheckResult:
             details.append(records[-1])
         outputs[linen_stage.name] = previous = linen_out
     return dataclasses.replace(verdict("layers", records, tol), details=tuple(details))
-
-
-CHECKS: dict[str, Callable[..., CheckResult]] = {
-    "roundtrip": roundtrip,
-    "init": init,
-    "forward": forward,
-    "grads": grads,
-    "train": train,
-    "layers": layers,
-}

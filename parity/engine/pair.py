@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from parity.analysis import compare
+from parity.engine.registry import Check, Front
 from parity.engine.side import Run, Side
 
 SOURCES = ("linen", "nnx")  # whose initial weights both sides run on
@@ -28,6 +29,7 @@ class Pair:
     Subclasses (the decoder's, a contributor's module pair) add what only they know: the
     batches to train on, data-flow order, extra vacuity rules, extra round trips."""
 
+    front: Front  # the front end whose form of each check runs on this pair (`registry`)
     output_name = "outputs"  # how records name the forward's output ("logits" for decoders)
     # What `forward` compares: the outputs, and the loss where each side computes its own.
     forward_parts: tuple[str, ...] = ("outputs",)
@@ -97,6 +99,12 @@ class Pair:
         return self.side(framework).compiled(self.weights(framework, framework))
 
     # ------------------------------------------------------------ what subclasses refine
+
+    def prepared(self, check: Check, function: Callable[..., Any]) -> Callable[..., Any]:
+        """`check`'s function as this pair runs it (a pair may skip it, or add to its
+        verdict); the run loop calls the result with the pair."""
+        del check
+        return function
 
     def vacuity(self, run: Run) -> list[str]:
         """Reasons a run proves nothing: two dead models agree perfectly."""

@@ -37,7 +37,7 @@ from migrate.config import loading, safe_load
 from migrate.config.bounds import INT_BOUNDS, MAX_PER_DEVICE_BATCH, short_repr
 from migrate.errors import BadInput
 from parity.analysis import compare
-from parity.decoder import catalog
+from parity.engine import registry
 from parity.maxtext import build_envs
 from parity.maxtext.mesh import (
     DCN,
@@ -49,24 +49,14 @@ from parity.maxtext.mesh import (
     resolve_mesh,
 )
 from parity.reports.progress import progress
+from parity.run_options import RunOptions
 
 MAX_BYTES = 1 << 16
 REQUIRED = ("per_device_batch_size", "max_target_length", "vocab_size")
 # The releases the weight map knows, and where `make maxtext-envs` puts each one.
 RELEASES = {"linen": "0.2.3", "nnx": "0.2.5"}
-# The default checks of `parity --maxtext`.
-CHECKS = ("roundtrip", "init", "forward", "grads", "pipeline", "sharding", "train", "compile")
-# The checks this gate computes its own way (the decoder's read the twins' functions directly):
-# `pipeline`, each release against its own decoder without pipelining, in its worker
-# (`parity.maxtext.oracle`); `compile` from the programs the workers compiled
-# (`parity.maxtext.compile_check`); `layers`
-# from every module call's output captured in each release's worker (`release_pair.layers`);
-# `checkpoint` (on request: MaxText's own train.py writes, each release restores and trains
-# one more step, `parity.maxtext.checkpoint_gate`) exists only here.
-OWN_CHECKS = ("pipeline", "compile", "layers", "checkpoint")
-CHECK_NAMES = (*catalog.CHECK_NAMES, "checkpoint")  # what --checks may name with --maxtext
-MAX_ICI = 512  # the mesh is simulated CPU devices
 CHECKPOINT_STEPS = 3  # `checkpoint`: 0.2.3's train.py trains these, the last checkpointed
+MAX_ICI = 512  # the mesh is simulated CPU devices
 # The twins' bounds of the keys MaxText names alike, and MaxText's own size keys: inclusive,
 # -1 where MaxText reads it as "derive it" (`pipeline_parallel_layers`, ...). The mesh axes
 # are bounded apart (`violations`): MaxText's `dcn_*` take -1 ("the rest"), an `ici_*` axis
@@ -373,32 +363,31 @@ def default_python(framework: str) -> str | None:
     return build_envs.find_python(RELEASES[framework])
 
 
-def environments(flags: Any) -> dict[str, Any]:
+def environments(options: RunOptions) -> dict[str, Any]:
     """Each release's environment: `--{side}_python` (and `--{side}_path`), else the one
     `make maxtext-envs` built; BadInput when neither is there."""
     from parity.remote.client import check_interpreter
     from parity.remote.environments import Environment, checkout, require_module
 
-    if flags["num_processes"].value > 1 or flags["checkpoint"].value is not None:
+    if options.num_processes > 1 or options.checkpoint is not None:
         raise BadInput("--maxtext runs in one process, on the releases' own initialisations")
     out = {}
     for side, release in RELEASES.items():
-        python = flags[f"{side}_python"].value or default_python(side)
+        given, path = options.sides.python(side), options.sides.path(side)
+        python = given or default_python(side)
         if python is None:
             raise BadInput(
                 f"--maxtext: no MaxText {release} environment for the {side} side; build it "
                 f"with `python -m parity.maxtext.build_envs {release}` (in a checkout: `make "
                 f"maxtext-envs`), or pass --{side}_python"
             )
-        given = flags[f"{side}_python"].value
         what = f"--{side}_python={given}" if given else f"the {side} side's interpreter {python}"
-        path = flags[f"{side}_path"].value
         out[side] = Environment(
             python=check_interpreter(python),
             path=checkout(path, f"{side}_path", ["parity/maxtext/decoder_factory.py"])
             if path
             else None,
-            timeout_s=flags["worker_timeout_s"].value,
+            timeout_s=options.sides.worker_timeout_s,
         )
         paths = [out[side].path] if path else []
         require_module(out[side].python, "maxtext", what, paths, name="MaxText")
@@ -413,17 +402,18 @@ def still_running(worker: str, doing: str, seconds: float) -> None:
     progress(f"{who}: {doing} still running after {seconds:.0f}s")
 
 
-def runnable(selected: list[str]) -> tuple[list[str], list[str]]:
-    """(the selected checks this gate runs, those it cannot: they call the project's twins in
-    the harness's process); BadInput when none is left to run."""
-    local = set(catalog.LOCAL_ONLY) - set(OWN_CHECKS)
-    cannot = [c for c in selected if c in local]
-    runs = [c for c in selected if c not in local]
+def runnable(selected: list[str], front: registry.Front) -> tuple[list[str], list[str]]:
+    """(the selected checks this gate runs, those it cannot: the twins' own, that call the
+    project's twins in the harness's process); BadInput when none is left to run."""
+    cannot = [c for c in selected if not registry.get(c).runs_on(front)]
+    runs = [c for c in selected if c not in cannot]
     if not runs:
+        twins = [c for c in cannot if registry.get(c).runs_on(registry.Front.TWINS)]
+        why = [f"{', '.join(twins)} call the project's twins in this process"] if twins else []
+        why += [f"{c} does not run on {front.value}" for c in cannot if c not in twins]
         raise BadInput(
             f"--checks={','.join(selected)}: none of these runs with --maxtext "
-            f"({', '.join(cannot)} call the project's twins in this process, not MaxText's "
-            f"releases); --maxtext runs: {', '.join(c for c in CHECK_NAMES if c not in local)}"
+            f"({'; '.join(why)}); --maxtext runs: {', '.join(registry.names(front))}"
         )
     return runs, cannot
 

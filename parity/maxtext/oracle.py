@@ -102,9 +102,9 @@ def reference_runs(pair: Any, frameworks: tuple[str, ...]) -> dict[str, tuple[Ru
     return out
 
 
-def pipeline(pair: Any, frameworks: tuple[str, ...] = ("linen", "nnx")) -> CheckResult:
-    """The check (module docstring) on `frameworks`, the MaxText releases among the pair's
-    sides."""
+def pipeline(pair: Any) -> CheckResult:
+    """The check (module docstring) on the MaxText releases among the pair's sides
+    (`pair.oracle_sides`)."""
     tol = tolerance(pair.keys)
     if pipeline_layout.stages(pair.keys) <= 1:
         return skipped(
@@ -117,6 +117,7 @@ def pipeline(pair: Any, frameworks: tuple[str, ...] = ("linen", "nnx")) -> Check
             tol.max_rel,
             f"not compared: {why}, which the oracle's layer map does not carry (docs/maxtext.md)",
         )
+    frameworks = pair.oracle_sides
     runs = reference_runs(pair, frameworks)
     records: list[dict] = []
     problems: list[str] = []

@@ -12,12 +12,14 @@ the checks, not mapped away.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from migrate.checkpoints.weight_map import Entry, WeightMap
 from migrate.errors import BadInput
 from parity.analysis import compare
 from parity.engine.pair import Pair, lm_vacuity_problems
+from parity.engine.registry import Check, Front
 from parity.engine.side import Run
 from parity.maxtext import gate_config, release_fault
 from parity.maxtext.gate_config import MaxTextConfig, batch
@@ -105,6 +107,7 @@ def with_tiers(result: Any, declared: gate_config.DeclaredTier | None) -> Any:
 class MaxTextPair(Pair):
     """MaxText's two decoders, each in the worker of its environment."""
 
+    front = Front.MAXTEXT
     output_name = "logits"
     forward_parts = ("logits", "loss")
     program_name = "forward+backward"
@@ -126,6 +129,7 @@ class MaxTextPair(Pair):
         drills down module by module even where it passes (`layers` asked for beside it)."""
         self.config, self.keys = config, config.keys
         self.drill_pipeline = drill_pipeline
+        self.oracle_sides = ("linen", "nnx")  # the releases `pipeline` holds to their own
         self.environments, self.seed = environments, seed
         self.devices = config.num_devices
         self.checkpoint_steps = checkpoint_steps
@@ -168,29 +172,17 @@ class MaxTextPair(Pair):
         env = self.environments[framework]
         return start_side(self.config, framework, env, self.workers, self.seed)
 
-    @property
-    def own_checks(self) -> dict[str, Any]:
-        """Every check this pair runs: those it computes its own way (`gate_config.OWN_CHECKS`),
-        the numeric ones with each record's tier and the config's declared one (`with_tiers`),
-        each with a release's own exception as its verdict (`release_fault.guarded`)."""
-        from parity.decoder.checks import CHECKS
-        from parity.maxtext import compile_check, oracle
+    def prepared(self, check: Check, function: Callable[..., Any]) -> Callable[..., Any]:
+        """The numeric checks with each record's tier and the config's declared one
+        (`with_tiers`); every check with a release's own exception as its verdict
+        (`release_fault.guarded`)."""
+        if check.name in NUMERIC_CHECKS:
+            declared, plain = self.config.declared, function
 
-        own = {**CHECKS, "layers": layers}
-        declared = self.config.declared
+            def function(pair: MaxTextPair, *args: Any) -> Any:
+                return with_tiers(plain(pair, *args), declared)
 
-        def tiered(name: str) -> Any:
-            return lambda pair, *args: with_tiers(own[name](pair, *args), declared)
-
-        checks = {
-            **own,
-            **{name: tiered(name) for name in NUMERIC_CHECKS},
-            "pipeline": oracle.pipeline,
-            "compile": compile_check.compile_check,
-            "checkpoint": checkpoint,
-        }
-        # A release's own exception in any check is a finding, or bad input (`release_fault`).
-        return {name: release_fault.guarded(name, check) for name, check in checks.items()}
+        return release_fault.guarded(check.name, function)
 
     def batch(self, step: int = 0, split: str = "train") -> dict:
         return batch(self.keys, self.devices, self.seed, step, split)
@@ -209,8 +201,7 @@ def run_gate(
     """`parity --maxtext`'s run: both releases' workers started, the `selected` checks run on
     them (`steps`: the train check's), every worker stopped however the run ends (a side that
     fails to start, a lost worker, an interrupt). (results, costs, the sides' versions)."""
-    from parity.decoder import runner
-    from parity.engine import compiles
+    from parity.engine import compiles, run_loop
 
     unbuilt: release_fault.Faults | None = None
     with compiles.measure() as cost:
@@ -230,7 +221,7 @@ def run_gate(
         return [unbuilt.result("build")], [cost.as_json()], {}
     try:
         progress(f"{config.describe()}; sides: {pair.workers.describe(environments)}")
-        results, costs = runner.run_checks(pair, selected, steps, drill_down=False)
+        results, costs = run_loop.run_checks(pair, selected, steps)
         progress(workers_line(*pair.workers.call_and_transfer_seconds()))
         return results, costs, pair.sides()
     finally:

@@ -12,10 +12,12 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 from parity.analysis import hlo
 from parity.decoder.cost import CompiledCost
+from parity.engine.registry import Check, Front
 from parity.engine.result import CheckResult, human_bytes
 from parity.maxtext import compile_check, release_fault
 from parity.maxtext.checkpoint_gate import FACTORY, call
@@ -111,23 +113,36 @@ def verdict(target: Target, facts: dict[str, dict[str, Any]], keys: dict[str, An
     return compile_check.verdict(compiled, meshes, lead, fits)
 
 
-class _OnSlice:
-    """The run's one check, as `runner.run_checks` runs a pair's own checks."""
+class SlicePair:
+    """Both releases' `train_compile` for one TPU slice: the one pair of `Front.MAXTEXT_SLICE`,
+    whose one check is `compile` (`compile_on_slice`)."""
 
-    def __init__(self, check) -> None:
-        self.own_checks = {"compile": release_fault.guarded("compile", lambda _pair: check())}
+    front = Front.MAXTEXT_SLICE
+
+    def __init__(
+        self, config: MaxTextConfig, environments: dict[str, Environment], target: Target
+    ) -> None:
+        self.config, self.environments, self.target = config, environments, target
+        self.sides: dict[str, dict[str, Any]] = {}  # each release's versions, once compiled
+
+    def prepared(self, check: Check, function: Callable[..., Any]) -> Callable[..., Any]:
+        """A release's own exception is the verdict (`release_fault.guarded`)."""
+        return release_fault.guarded(check.name, function)
+
+
+def compile_on_slice(pair: SlicePair) -> CheckResult:
+    """`compile` on a slice: each release's train step compiled by XLA:TPU, then judged."""
+    facts = compiled_on_slice(pair.config, pair.environments, pair.target, pair.sides)
+    return verdict(pair.target, facts, pair.config.keys)
 
 
 def run_on_slice(
     config: MaxTextConfig, environments: dict[str, Environment], target: Target
 ) -> tuple[list, list, dict[str, dict[str, Any]]]:
-    """`parity --maxtext CONFIG --checks=compile --topology=...`: (results, costs, sides), as
+    """`parity maxtext CONFIG --checks=compile --topology=...`: (results, costs, sides), as
     `release_pair.run_gate` returns them; the workers stop however the check ends."""
-    from parity.decoder import runner
+    from parity.engine import run_loop
 
-    sides: dict[str, dict[str, Any]] = {}
-    pair = _OnSlice(
-        lambda: verdict(target, compiled_on_slice(config, environments, target, sides), config.keys)
-    )
-    results, costs = runner.run_checks(pair, ["compile"], 0, drill_down=False)
-    return results, costs, sides
+    pair = SlicePair(config, environments, target)
+    results, costs = run_loop.run_checks(pair, ["compile"])
+    return results, costs, pair.sides

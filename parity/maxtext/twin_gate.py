@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from migrate.errors import BadInput
 from parity.analysis import compare
+from parity.engine.registry import Check, Front
 from parity.maxtext.gate_config import MaxTextConfig, batch
 from parity.maxtext.release_pair import MaxTextPair, start_side
 
@@ -339,22 +341,23 @@ def start_pair(config: MaxTextConfig, environments: dict[str, Any]) -> Any:
             "linen": RemoteSide(worker, "linen"),
             "nnx": start_side(config, "nnx", nnx_env, workers),
         }
-    pair = TwinPair(config, environments, started=sides)
-    pair.tolerance = TOLERANCE
-    return pair
+    return TwinPair(config, environments, started=sides)
 
 
 class TwinPair(MaxTextPair):
     """MaxText 0.2.5 (`nnx`) against the NNX twin (`linen`), each in its worker."""
 
-    @property
-    def own_checks(self) -> dict[str, Any]:
-        from parity.maxtext import compile_check, oracle
+    front = Front.MAXTEXT_TWIN
 
-        return {
-            "compile": compile_check.compile_check,
-            "pipeline": lambda pair: oracle.pipeline(pair, ("nnx",)),  # the release's own
-        }
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tolerance = TOLERANCE
+        self.oracle_sides = ("nnx",)  # `pipeline`: the release's own; the twin has its own gate
+
+    def prepared(self, check: Check, function: Callable[..., Any]) -> Callable[..., Any]:
+        """Every check as the registry gives it: held to `TOLERANCE`, no release-fault guard."""
+        del check
+        return function
 
 
 def run_gate(
@@ -362,14 +365,14 @@ def run_gate(
 ) -> tuple[list, list, dict[str, dict[str, Any]]]:
     """`parity --maxtext CONFIG --against=twin`: the `selected` checks on `start_pair`'s pair,
     every worker stopped however the run ends. (results, costs, the sides' versions)."""
-    from parity.decoder import runner
+    from parity.engine import run_loop
     from parity.reports.progress import progress, workers_line
 
     config = dataclasses.replace(config, keys=pair_keys(config.keys))
     pair = start_pair(config, environments)
     try:
         progress(f"{config.describe()}; the NNX twin against MaxText 0.2.5")
-        results, costs = runner.run_checks(pair, selected, steps, drill_down=False)
+        results, costs = run_loop.run_checks(pair, selected, steps)
         progress(workers_line(*pair.workers.call_and_transfer_seconds()))
         return results, costs, pair.sides()
     finally:

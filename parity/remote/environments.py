@@ -10,10 +10,10 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from migrate.errors import BadInput
 from parity.remote.client import check_interpreter, project_path
+from parity.run_options import SideOptions
 
 SIDES = ("linen", "nnx")
 
@@ -80,26 +80,24 @@ def checkout(path: str, flag: str, needs: Sequence[str] = ()) -> str:
     return str(root.resolve())
 
 
-def from_flags(flags: Any, needs: Sequence[str] = ()) -> dict[str, Environment] | None:
+def from_options(
+    sides: SideOptions, num_processes: int, checkpoint: str | None, needs: Sequence[str] = ()
+) -> dict[str, Environment] | None:
     """Each side's environment when any `--{side}_python` / `--{side}_path` is given (a side
     without its own runs in this interpreter and checkout, in a worker too); else None. A
     checkout must hold the files of `needs` (`checkout`)."""
-    given = {
-        (side, kind): flags[f"{side}_{kind}"].value for side in SIDES for kind in ("python", "path")
-    }
-    if not any(given.values()):
+    if not sides.any_given:
         return None
-    if flags["num_processes"].value > 1:
+    if num_processes > 1:
         raise BadInput("--linen_python/--nnx_python: a remote pair runs in one process")
-    if flags["checkpoint"].value is not None:
+    if checkpoint is not None:
         raise BadInput("--checkpoint with workers (--linen_python/--nnx_python): not supported")
     out = {}
     for side in SIDES:
-        python = given[side, "python"] or sys.executable
-        path = given[side, "path"]
+        path = sides.path(side)
         out[side] = Environment(
-            python=check_interpreter(python),
+            python=check_interpreter(sides.python(side) or sys.executable),
             path=checkout(path, f"{side}_path", needs) if path else None,
-            timeout_s=flags["worker_timeout_s"].value,
+            timeout_s=sides.worker_timeout_s,
         )
     return out

@@ -23,8 +23,10 @@ class StepProgress:
         first: int = 3,
         every_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        say: Callable[[str], None] = progress,
     ) -> None:
         self.steps, self.first, self.every_s, self.clock = steps, first, every_s, clock
+        self.say = say
         self.last_print = clock()
 
     def __call__(self, step: int, passed: bool) -> None:
@@ -32,7 +34,7 @@ class StepProgress:
         due = step < self.first or step + 1 == self.steps or now - self.last_print >= self.every_s
         if due or not passed:
             self.last_print = now
-            progress(f"train step {step + 1}/{self.steps}: {'ok' if passed else 'DIVERGED'}")
+            self.say(f"train step {step + 1}/{self.steps}: {'ok' if passed else 'DIVERGED'}")
 
 
 def plan(cfg: Any, selected: Sequence[str], processes: int) -> str:
