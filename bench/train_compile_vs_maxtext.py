@@ -85,7 +85,8 @@ def our_worker(config: str, framework: str, out: str, topology: str | None) -> N
         from parity.tpu import compile_devices, topologies, train_step
 
         mesh, _ = compile_devices.make_mesh(cfg, topologies.parse(topology), cfg.num_slices)
-        compiled = train_step.compile_step(cfg, mesh, framework).cost
+        lowered = cost.lower_train_step(cfg, mesh, framework)
+        compiled = train_step.compile_step(lowered, framework).cost
         if isinstance(compiled, train_step.Overflow):
             raise SystemExit(f"{framework}: {compiled.message}")
     else:

@@ -204,6 +204,23 @@ def test_every_check_is_declared_once_and_resolves():
     assert all(f"  {name}" in page for name, _ in registry.help_lines(Front.MAXTEXT))
 
 
+# What each shared folder may not import (inside functions too): the front ends (the twins'
+# `decoder/`, `maxtext/`) build on the engine, the analysis, the reports and the TPU target,
+# never the other way round; `tpu/` compiles whatever program a front end lowers for it.
+FRONT_ENDS = ("parity.decoder", "parity.maxtext", "parity.pairs", "parity.cli")
+SHARED = ("parity.engine", "parity.analysis", "parity.reports", "parity.remote", "parity.tpu")
+
+
+def test_shared_folders_import_no_front_end():
+    graph = import_graph()
+    reaching = {
+        name: sorted(i for i in imported if i.startswith(FRONT_ENDS))
+        for name, imported in graph.items()
+        if name.startswith(SHARED)
+    }
+    assert not {k: v for k, v in reaching.items() if v}
+
+
 def test_no_flags_below_the_front_doors():
     """Only the commands read absl's flags (`parity/cli.py`, `migrate/cli.py`, and the help
     page both render from the flags' definitions): everything below takes the options they
@@ -212,7 +229,9 @@ def test_no_flags_below_the_front_doors():
     readers = set()
     for name, path in modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
-            names = {alias.name for alias in getattr(node, "names", ())}
+            if not isinstance(node, ast.Import | ast.ImportFrom):
+                continue
+            names = {alias.name for alias in node.names}
             from_absl = isinstance(node, ast.ImportFrom) and node.module == "absl"
             if (from_absl and "flags" in names) or (
                 isinstance(node, ast.Import) and any(n.startswith("absl.flags") for n in names)

@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 
 from migrate.config.contract import Config
 from parity.analysis import compare, hlo
+from parity.analysis.compiled_cost import COST_TOLERANCE
 from parity.decoder import cost, slices
 from parity.decoder import efficiency as pipeline_work
 from parity.decoder.session import BUBBLE_POISON, DecoderPair
@@ -79,10 +80,6 @@ def bubbles(pair: DecoderPair) -> CheckResult:
     return dataclasses.replace(result, message=note)
 
 
-# NNX may not cost more than Linen: temp memory, FLOPs and argument/output bytes of the compiled
-# train step within 1% (the twins compile to the same program today, so the measured ratios are
-# exactly 1.00; the margin only absorbs benign differences in XLA's bookkeeping).
-COST_TOLERANCE = 0.01
 # Reported, not held: how long the compile took, the traffic and code size XLA estimates, and
 # the compiler's step-time estimate (XLA:TPU's; none on the CPU).
 INFORMATIONAL_COSTS = (

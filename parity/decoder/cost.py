@@ -18,72 +18,9 @@ from jax.sharding import Mesh
 from migrate.common import optim, sharding
 from migrate.config.contract import Config
 from parity.analysis import hlo
+from parity.analysis.compiled_cost import DIRECTIONS, CompiledCost
 from parity.decoder import twins
 from parity.engine import compiles
-
-
-@dataclasses.dataclass(frozen=True)
-class CompiledCost:
-    """Per-device memory (bytes), cost and collectives of one compiled program."""
-
-    argument_bytes: int
-    output_bytes: int
-    temp_bytes: int
-    generated_code_bytes: int
-    flops: float
-    bytes_accessed: float
-    collectives: dict[str, int]
-    compile_seconds: float
-    program: str  # hlo.program_fingerprint of the optimised module
-    loops: tuple[hlo.Loop, ...] = ()  # outermost while loops, with their bodies' collectives
-    alias_bytes: int = 0  # argument bytes whose buffers the outputs reuse (donated state)
-    # (direction, collective) of everything outside the loops: among them, the reshards into
-    # and out of the pipeline (`axes.INTO_PIPELINE`, `axes.OUT_OF_PIPELINE`)
-    outside_loops: tuple[tuple[str, hlo.Collective], ...] = ()
-
-    @property
-    def peak_bytes(self) -> int:
-        """What the step needs resident per device: its arguments, temporaries and outputs,
-        less the outputs written into donated argument buffers."""
-        return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
-
-    # how `compile_seconds` was obtained: "compiled in ...", or a persistent-cache read
-    compile_source: str = ""
-    # the reshards the SPMD partitioner could not express (it replicated the tensor instead)
-    remats: tuple[compiles.Remat, ...] = ()
-    # the compiler's estimate of one step's seconds (XLA:TPU's `optimal_seconds`; 0 where the
-    # backend gives none, as XLA:CPU)
-    optimal_seconds: float = 0.0
-
-    @classmethod
-    def of(
-        cls,
-        compiled,
-        compile_seconds: float,
-        compile_source: str = "",
-        remats: tuple[compiles.Remat, ...] = (),
-    ) -> CompiledCost:
-        memory = compiled.memory_analysis()
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-        text = compiled.as_text()
-        return cls(
-            argument_bytes=int(memory.argument_size_in_bytes),
-            output_bytes=int(memory.output_size_in_bytes),
-            temp_bytes=int(memory.temp_size_in_bytes),
-            generated_code_bytes=int(memory.generated_code_size_in_bytes),
-            flops=float(cost.get("flops", 0.0)),
-            bytes_accessed=float(cost.get("bytes accessed", 0.0)),
-            collectives=hlo.collective_counts(text),
-            compile_seconds=compile_seconds,
-            program=hlo.program_fingerprint(text),
-            loops=tuple(hlo.loops(text)),
-            alias_bytes=int(memory.alias_size_in_bytes),
-            outside_loops=tuple(hlo.outside_loops(text)),
-            compile_source=compile_source or f"compiled in {compile_seconds:.1f}s",
-            remats=remats,
-            optimal_seconds=float(cost.get("optimal_seconds", 0.0)),
-        )
 
 
 def with_shardings(shardings: Any, abstract: Any) -> Any:
@@ -120,6 +57,14 @@ def abstract_train_state(cfg: Config, mesh: Mesh, framework: str) -> tuple[Any, 
         params = with_shardings(param_shardings, abstract)
         opt_state = jax.eval_shape(optim.make_optimizer(cfg).init, params)
         return params, with_shardings(opt_state_shardings, opt_state)
+
+
+def lower_train_step(cfg: Config, mesh: Mesh, framework: str) -> jax.stages.Lowered:
+    """The twin's jitted train step (the one the `train` check runs, its shardings pinned)
+    lowered for `mesh` from ShapeDtypeStructs: no weight is allocated."""
+    params, opt_state = abstract_train_state(cfg, mesh, framework)
+    fns = twins.linen_train_fns if framework == "linen" else twins.nnx_train_fns
+    return fns(cfg, mesh)[0].lower(params, opt_state, abstract_batch(cfg, mesh))
 
 
 def compile_train_step(
@@ -169,8 +114,6 @@ def remat_records(linen_cost, nnx_cost) -> list[dict]:
 
 
 # ------------------------------------------------------------------ loop-body collectives
-
-DIRECTIONS = ("forward", "backward")
 
 
 def loop_body_minimum(cfg: Config, per_slice: bool = False) -> dict[str, dict[str, int]]:

@@ -17,7 +17,7 @@ from migrate.checkpoints import convert
 from migrate.common import sharding as sharding_lib
 from migrate.config.contract import Config
 from parity.analysis import compare
-from parity.decoder import drilldown, twins
+from parity.decoder import cost, drilldown, twins
 from parity.decoder.data import synthetic_batch
 from parity.decoder.sides import LinenDecoderSide, NNXDecoderSide
 from parity.engine.pair import SOURCES, Pair, lm_vacuity_problems
@@ -48,7 +48,8 @@ class DecoderPair(Pair):
         if self._on_slice is None:
             from parity.tpu import check as tpu_check
 
-            self._on_slice = tpu_check.compile_on_slice(self.cfg, self.topology)
+            lower = functools.partial(cost.lower_train_step, self.cfg)
+            self._on_slice = tpu_check.compile_on_slice(self.cfg, self.topology, lower)
         return self._on_slice
 
     def __init__(self, cfg: Config, bubble_fill: float = 0.0, topology: Any = None) -> None:

@@ -16,8 +16,7 @@ from collections import Counter
 from typing import Any
 
 from parity.analysis import hlo
-from parity.decoder.checks import COST_TOLERANCE
-from parity.decoder.cost import DIRECTIONS, CompiledCost
+from parity.analysis.compiled_cost import COST_TOLERANCE, DIRECTIONS, CompiledCost
 from parity.engine.result import CheckResult, human_bytes
 
 SOURCES = ("linen", "nnx")

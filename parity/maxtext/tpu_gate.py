@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from parity.analysis import hlo
-from parity.decoder.cost import CompiledCost
+from parity.analysis.compiled_cost import CompiledCost
 from parity.engine.registry import Check, Front
 from parity.engine.result import CheckResult, human_bytes
 from parity.maxtext import compile_check, release_fault

@@ -9,13 +9,14 @@ own words; both refused is a config that does not fit the slice.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 from jax.sharding import Mesh
 
 from migrate.config.contract import Config
 from parity.analysis import hlo
-from parity.decoder.cost import CompiledCost
+from parity.analysis.compiled_cost import CompiledCost
 from parity.engine.result import CheckResult, human_bytes
 from parity.tpu import compile_devices, train_step
 from parity.tpu.topologies import Target
@@ -148,11 +149,15 @@ class OnSlice:
         )
 
 
-def compile_on_slice(cfg: Config, target: Target) -> OnSlice:
-    """Both twins' train steps compiled for `target` (the `compile` check's verdict on them is
-    `parity.decoder.checks.cost_result`, or `overflow_result` where the compiler refused one)."""
+def compile_on_slice(
+    cfg: Config, target: Target, lower: Callable[[Mesh, str], jax.stages.Lowered]
+) -> OnSlice:
+    """Both sides' train steps (`lower(mesh, side)`: each lowered for the slice's mesh)
+    compiled for `target` (the `compile` check's verdict on them is the caller's, or
+    `overflow_result` where the compiler refused one)."""
     mesh, layout = compile_devices.make_mesh(cfg, target.topology, target.num_slices)
-    return OnSlice(target, mesh, layout, {f: train_step.compile_step(cfg, mesh, f) for f in SIDES})
+    compiled = {f: train_step.compile_step(lower(mesh, f), f) for f in SIDES}
+    return OnSlice(target, mesh, layout, compiled)
 
 
 class _Programs:

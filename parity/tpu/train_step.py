@@ -1,6 +1,7 @@
-"""One twin's whole train step compiled by XLA:TPU for a slice, from abstract inputs on the
-topology's compile-only devices: its per-device cost (`cost.CompiledCost`), or, where the
-compiler refuses it for HBM, the compiler's own words (`Overflow`). Nothing runs on a TPU.
+"""A whole train step compiled by XLA:TPU for a slice, from its lowering on the topology's
+compile-only devices (a twin's: `parity.decoder.cost.lower_train_step`): its per-device cost
+(`CompiledCost`), or, where the compiler refuses it for HBM, the compiler's own words
+(`Overflow`). Nothing runs on a TPU.
 """
 
 from __future__ import annotations
@@ -10,10 +11,8 @@ import re
 import time
 
 import jax
-from jax.sharding import Mesh
 
-from migrate.config.contract import Config
-from parity.decoder import cost, twins
+from parity.analysis.compiled_cost import CompiledCost
 from parity.engine import compiles
 from parity.tpu.compile_devices import LIBTPU_NOISE
 
@@ -59,14 +58,6 @@ class Overflow:
         )
 
 
-def lower(cfg: Config, mesh: Mesh, framework: str) -> jax.stages.Lowered:
-    """The twin's jitted train step (the one the `train` check runs, its shardings pinned)
-    lowered for `mesh` from ShapeDtypeStructs: no weight is allocated."""
-    params, opt_state = cost.abstract_train_state(cfg, mesh, framework)
-    fns = twins.linen_train_fns if framework == "linen" else twins.nnx_train_fns
-    return fns(cfg, mesh)[0].lower(params, opt_state, cost.abstract_batch(cfg, mesh))
-
-
 @dataclasses.dataclass(frozen=True)
 class SliceProgram:
     """One twin's train step for a slice: lowered, compiled (None where the compiler refused
@@ -74,15 +65,14 @@ class SliceProgram:
 
     lowered: jax.stages.Lowered
     executable: jax.stages.Compiled | None
-    cost: cost.CompiledCost | Overflow
+    cost: CompiledCost | Overflow
 
 
-def compile_step(cfg: Config, mesh: Mesh, framework: str) -> SliceProgram:
+def compile_step(lowered: jax.stages.Lowered, framework: str) -> SliceProgram:
     """The train step compiled for the TPU devices of `mesh`, never through the persistent
     cache (XLA:TPU executables of compile-only devices are not kept); the partitioner's
     warnings read as on the CPU. A compile the chip's HBM cannot hold is an `Overflow`; any
     other compiler error propagates (an internal error, not a finding)."""
-    lowered = lower(cfg, mesh, framework)
     # XLA:TPU executables of compile-only devices cannot be read back (no TPU client): a
     # minimum compile time no compile reaches keeps them out of the persistent cache, so no
     # later run tries to.
@@ -100,5 +90,5 @@ def compile_step(cfg: Config, mesh: Mesh, framework: str) -> SliceProgram:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", previous)
     seconds = time.perf_counter() - start
     remats = compiles.parse_remats("\n".join(output))
-    found = cost.CompiledCost.of(compiled, seconds, f"XLA:TPU compiled in {seconds:.1f}s", remats)
+    found = CompiledCost.of(compiled, seconds, f"XLA:TPU compiled in {seconds:.1f}s", remats)
     return SliceProgram(lowered, compiled, found)
