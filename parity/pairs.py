@@ -40,17 +40,18 @@ from migrate.checkpoints.convert import ConversionError
 from migrate.config.contract import Rules
 from migrate.errors import EXIT_PASS
 from parity.analysis import compare
-from parity.engine import order, pair_args, registry, run_loop
-from parity.engine.calls import DEFAULT_COLLECTIONS, Call, Randomness, is_float, named
-from parity.engine.modules import LinenModuleSide, LossFn, NNXModuleSide, mean_square_loss
+from parity.engine import registry, run_loop
 from parity.engine.pair import Pair, vacuity_problems
-from parity.engine.pair_args import PairArgumentError
 from parity.engine.programs import PROGRAM_PRIMITIVES, count_primitives
 from parity.engine.registry import Check, Front, Need
-from parity.engine.renames import nnx_leaves
-from parity.engine.renames import suggest as suggest_renames
 from parity.engine.result import EXIT_STATUS, CheckResult, errored, skipped
 from parity.engine.side import Run
+from parity.module_pair import order, pair_args
+from parity.module_pair.calls import DEFAULT_COLLECTIONS, Call, Randomness, is_float, named
+from parity.module_pair.modules import LinenModuleSide, LossFn, NNXModuleSide, mean_square_loss
+from parity.module_pair.pair_args import PairArgumentError
+from parity.module_pair.renames import nnx_leaves
+from parity.module_pair.renames import suggest as suggest_renames
 from parity.reports import report
 
 CHECKS = registry.defaults(Front.MODULES)  # the default set

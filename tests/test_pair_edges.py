@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from parity.engine import renames as renames_lib
+from parity.module_pair import renames as renames_lib
 from parity.pairs import PairArgumentError, compare_modules, format_report
 
 pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)

@@ -395,8 +395,8 @@ def test_a_port_annotated_with_mesh_axes_converts_and_gates_like_any_port():
 
 
 def test_renames_are_suggested_by_shape_and_position_and_lists_cut_at_whole_lines():
-    from parity.engine.renames import suggest
     from parity.engine.result import whole_lines
+    from parity.module_pair.renames import suggest
 
     linen = {
         ("params", f"Block_{i}", leaf): shape

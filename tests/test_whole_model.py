@@ -17,8 +17,8 @@ from flax import nnx
 from flax.nnx import bridge
 
 from migrate import errors
-from parity.engine import bridges
-from parity.engine.modules import LinenModuleSide, NNXModuleSide
+from parity.module_pair import bridges
+from parity.module_pair.modules import LinenModuleSide, NNXModuleSide
 from parity.pairs import Call, Randomness, compare_modules, exit_status, format_report
 
 pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
@@ -185,7 +185,7 @@ def test_decoding_compares_the_cache_after_every_step():
 def test_nnx_capture_keeps_its_buffers_where_the_bridge_shield_looks():
     """API contract (flax 0.12.8 and 0.12.12): `nnx.capture` keeps a module's buffers as the
     attribute `bridges.CAPTURES` while the module runs; the harness hides exactly that one from
-    a `ToNNX` layer (`parity/engine/bridges.py`)."""
+    a `ToNNX` layer (`parity/module_pair/bridges.py`)."""
     seen = []
 
     class Probe(nnx.Module):
@@ -365,7 +365,7 @@ def test_a_missing_mode_flag_is_bad_input_with_a_hint():
 
 
 def test_flax_errors_for_a_call_that_does_not_fit_become_hints():
-    from parity.engine.hints import nnx_hint
+    from parity.module_pair.hints import nnx_hint
 
     raw_key = TypeError("'DynamicJaxprTracer' object is not callable")
     assert "nnx_arg_as='rngs'" in nnx_hint(raw_key, "rngs")

@@ -33,7 +33,7 @@ LINEN_TO_NNX_RENAMES: Mapping[Path, Path] = {}
 # NNX state that has no Linen counterpart: filtered explicitly, by type, never silently.
 NNX_ONLY_STATE = (nnx.RngState,)
 # Linen collection -> NNX Variable type, as the twins use them: parameters only. A module pair
-# with other state maps more (`parity.engine.calls.DEFAULT_COLLECTIONS`).
+# with other state maps more (`parity.module_pair.calls.DEFAULT_COLLECTIONS`).
 PARAMS_ONLY: Mapping[str, type] = {"params": nnx.Param}
 
 

@@ -16,7 +16,6 @@ from typing import Any
 import jax
 
 from parity.analysis import compare, init_check
-from parity.engine.calls import ByCall
 from parity.engine.pair import SOURCES, Pair
 from parity.engine.result import (
     CheckResult,
@@ -27,7 +26,7 @@ from parity.engine.result import (
     ranked_errors,
     verdict,
 )
-from parity.engine.side import Run, returned_sharding_mismatches
+from parity.engine.side import ByCall, Run, returned_sharding_mismatches
 from parity.multiprocess import distributed
 
 

@@ -8,7 +8,7 @@ LogicallyPartitioned boxes, other collections...}`), by the strict converters of
 `migrate.checkpoints.convert`; every comparison is made in that form, so that the two sides' leaves
 line up path by path.
 
-Implementations: `parity.engine.modules` (any Linen module and its NNX port) and
+Implementations: `parity.module_pair.modules` (any Linen module and its NNX port) and
 `parity.decoder.sides` (the pipelined decoder twins of a config). A new framework adapter is a
 new pair of implementations; the checks do not change.
 """
@@ -32,7 +32,7 @@ class SideError(Exception):
     its first line, `detail` the whole error with its traceback. Raised by the NNX side while
     the Linen side runs, the port parts ways with its original: a parity failure; raised by
     the Linen side, the input does not fit the original: bad input; with a `hint` (a Flax
-    error that says the call does not fit the module: `parity.engine.hints`), bad input."""
+    error that says the call does not fit the module: `parity.module_pair.hints`), bad input."""
 
     LABELS: ClassVar[dict[str, str]] = {"linen": "Linen", "nnx": "NNX"}
 
@@ -49,6 +49,18 @@ class SideError(Exception):
             + (f": {first}" if first else "")
             + (f"; {hint}" if hint else "")
         )
+
+
+class ByCall(dict):
+    """Per-call results (outputs, state, sown values) keyed by call name, flattened in call
+    order (a plain dict would sort them): a report names the first call that differs."""
+
+
+jax.tree_util.register_pytree_with_keys(
+    ByCall,
+    lambda d: (tuple((jax.tree_util.DictKey(k), v) for k, v in d.items()), tuple(d)),
+    lambda keys, children: ByCall(zip(keys, children, strict=True)),
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -100,18 +100,6 @@ class Call:
         return self.randomness is None or self.randomness.aligned
 
 
-class ByCall(dict):
-    """Per-call results (outputs, state, sown values) keyed by call name, flattened in call
-    order (a plain dict would sort them): a report names the first call that differs."""
-
-
-jax.tree_util.register_pytree_with_keys(
-    ByCall,
-    lambda d: (tuple((jax.tree_util.DictKey(k), v) for k, v in d.items()), tuple(d)),
-    lambda keys, children: ByCall(zip(keys, children, strict=True)),
-)
-
-
 def named(calls: Sequence[Call]) -> tuple[Call, ...]:
     """The calls with their default names filled in (`call0`, ...)."""
     return tuple(

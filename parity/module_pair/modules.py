@@ -23,10 +23,11 @@ from flax.nnx import bridge
 
 from migrate.checkpoints import convert
 from migrate.common import sharding as sharding_lib
-from parity.engine import bridges, hints, order
-from parity.engine import renames as rename_paths
-from parity.engine.calls import is_sown
-from parity.engine.module_base import (
+from parity.engine.side import SideError
+from parity.module_pair import bridges, hints, order
+from parity.module_pair import renames as rename_paths
+from parity.module_pair.calls import is_sown
+from parity.module_pair.module_base import (
     CallResult,
     LossFn,
     ModuleSide,
@@ -36,7 +37,6 @@ from parity.engine.module_base import (
     module_keys,
     unboxed_grads,
 )
-from parity.engine.side import SideError
 from parity.multiprocess import distributed
 
 Path = tuple[str, ...]

@@ -14,7 +14,7 @@ from typing import Any
 from flax import nnx
 
 from migrate.checkpoints import convert
-from parity.engine.module_base import module_keys
+from parity.module_pair.module_base import module_keys
 
 Path = tuple[str, ...]
 Leaves = Mapping[Path, tuple]  # (collection, *path) -> shape, in the side's own order

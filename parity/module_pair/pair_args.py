@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from migrate.checkpoints import convert
 from migrate.errors import BadInput
 from parity.analysis import compare
-from parity.engine.calls import Call, Randomness, is_array
+from parity.module_pair.calls import Call, Randomness, is_array
 
 # Keyword arguments `Module.apply` takes itself: a Linen call cannot pass them to the module.
 LINEN_APPLY_KEYWORDS = frozenset({"rngs", "method", "mutable", "capture_intermediates"})

@@ -1,5 +1,5 @@
 """What both module sides share: the sequence of calls as one pure function, its program, the
-optimizer steps, the drill-down and the `random` check's draws (`parity.engine.modules` holds
+optimizer steps, the drill-down and the `random` check's draws (`parity.module_pair.modules` holds
 the Linen and NNX halves).
 
 A side's weights split into three arguments: the parameters (differentiated), the state the
@@ -25,8 +25,8 @@ from jax.sharding import Mesh
 
 from migrate.checkpoints import convert
 from migrate.config.contract import Rules
-from parity.engine.calls import ByCall, Call, CallInputs, call_keys, draw_keys, is_float
-from parity.engine.side import DrillStage, ProgramArray, Run, Side, Trainer
+from parity.engine.side import ByCall, DrillStage, ProgramArray, Run, Side, Trainer
+from parity.module_pair.calls import Call, CallInputs, call_keys, draw_keys, is_float
 from parity.multiprocess import distributed
 
 LossFn = Callable[[Any], jax.Array]
