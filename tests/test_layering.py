@@ -205,8 +205,9 @@ def test_every_check_is_declared_once_and_resolves():
 
 
 # What each shared folder may not import (inside functions too): the front ends (the twins'
-# `decoder/`, `maxtext/`, the Flax module-pair adapter `module_pair/`) build on the engine, the analysis, the reports and the TPU target,
-# never the other way round; `tpu/` compiles whatever program a front end lowers for it.
+# `decoder/`, `maxtext/`, the Flax module-pair adapter `module_pair/`) build on the engine,
+# the analysis, the reports and the TPU target, never the other way round; `tpu/` compiles
+# whatever program a front end lowers for it.
 FRONT_ENDS = (
     "parity.decoder",
     "parity.maxtext",

@@ -207,7 +207,8 @@ def test_the_twins_logits_on_maxtext_trained_weights_match_maxtexts_within_the_f
     """MaxText 0.2.3's own logits and loss on its checkpoint's weights against the twins'
     (mapped, the reference layout): the same math on other programs, within float32's
     reshaped tier (measured 5.2e-7 relative, docs/checkpoints.md), and not vacuous."""
-    from parity.maxtext import twins_logits
+    import maxtext_twins_logits as twins_logits
+
     from parity.remote.environments import Environment
 
     _, _, checkpoint = crossed

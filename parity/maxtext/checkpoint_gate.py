@@ -23,8 +23,6 @@ values' largest difference.
 
 from __future__ import annotations
 
-import os
-import re
 import shutil
 import sys
 import tempfile
@@ -36,21 +34,14 @@ import numpy as np
 from migrate.checkpoints import maxtext_layouts
 from parity.analysis import compare
 from parity.engine import result
-from parity.maxtext.gate_config import CHECKPOINT_STEPS, MaxTextConfig, batch, still_running
+from parity.maxtext import train_worker
+from parity.maxtext.gate_config import CHECKPOINT_STEPS, MaxTextConfig, batch
 from parity.maxtext.train_factory import LOGITS
-from parity.remote.client import Worker, WorkerSet
+from parity.remote.client import WorkerSet
 from parity.reports.progress import progress
 
-FACTORY = "parity.maxtext.train_factory:make"
 METRICS = ("learning/loss", "learning/grad_norm", "learning/raw_grad_norm")
 TOLERANCE = compare.EXACT  # the same program on both releases: no looser tier
-
-
-def call(worker: Worker, method: str, **kwargs: Any) -> tuple[dict, dict]:
-    """A side method in the worker: its arrays by path, and its facts."""
-    reply = worker.call("call", method=method, kwargs=kwargs)
-    arrays, _ = worker.receive_tree(reply["tree"])
-    return arrays, reply["facts"]
 
 
 def as_linen(nnx_flat: dict) -> tuple[dict, list]:
@@ -137,14 +128,6 @@ def vacuity(linen_restored: dict, metrics: list[dict]) -> list[str]:
     return problems
 
 
-def _device_flags(count: int) -> str:
-    """This process's XLA_FLAGS with `count` simulated host devices (the workers' mesh)."""
-    kept = re.sub(
-        r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
-    )
-    return f"{kept.strip()} --xla_force_host_platform_device_count={count}".strip()
-
-
 def cross_release(
     config: MaxTextConfig, environments: dict, directory: Path, steps: int = CHECKPOINT_STEPS
 ) -> tuple[result.CheckResult, dict[str, Any]]:
@@ -153,67 +136,32 @@ def cross_release(
     stage says so on stderr, and a call to a worker that runs long says so every 30 s (each
     `train.py` run compiles MaxText's model: minutes here)."""
     workers = WorkerSet()
-    variables = {"DECOUPLE_GCLOUD": "TRUE", "XLA_FLAGS": _device_flags(config.num_devices)}
+    variables = {
+        "DECOUPLE_GCLOUD": "TRUE",
+        "XLA_FLAGS": train_worker.simulated_device_flags(config.num_devices),
+    }
     try:
-        for side in ("linen", "nnx"):
-            options = {"framework": side, "overrides": config.keys}
-            workers.start(
-                side, environments[side], FACTORY, options, None, variables, still_running
-            )
-        linen, nnx = workers["linen"], workers["nnx"]
+        trainers = train_worker.start(workers, config, environments, variables)
+        linen, nnx = trainers["linen"], trainers["nnx"]
         root = str(directory)
         trains = f"{steps} step{'s' if steps > 1 else ''}"
         progress(f"checkpoint: 0.2.3's train.py trains {trains}, checkpointing the last")
-        _, written = call(
-            linen, "train", directory=root, run_name="written", steps=steps, checkpoint_period=steps
-        )
+        written = linen.train(root, "written", steps, checkpoint_period=steps)
         progress("checkpoint: 0.2.3 and 0.2.5 each restore it with their own restore path")
         for side in ("linen", "nnx"):
             shutil.copytree(directory / "written", directory / f"resumed-{side}")
-        tokens = batch(config.keys, config.num_devices, 0, 0, "eval")["inputs"]
-        restored_l, facts_l = call(
-            linen,
-            "restore",
-            directory=root,
-            run_name="resumed-linen",
-            steps=steps + 1,
-            tokens=tokens.tolist(),
-        )
-        restored_n, facts_n = call(
-            nnx,
-            "restore",
-            directory=root,
-            run_name="resumed-nnx",
-            steps=steps + 1,
-            tokens=tokens.tolist(),
-        )
+        tokens = batch(config.keys, config.num_devices, 0, 0, "eval")["inputs"].tolist()
+        restored_l, facts_l = linen.restore(root, "resumed-linen", steps + 1, tokens)
+        restored_n, facts_n = nnx.restore(root, "resumed-nnx", steps + 1, tokens)
         logits_l, logits_n = restored_l.pop(LOGITS), restored_n.pop(LOGITS)
         progress(f"checkpoint: step {steps} on each release's train.py, from what it restored")
-        _, trained_l = call(
-            linen,
-            "train",
-            directory=root,
-            run_name="resumed-linen",
-            steps=steps + 1,
-            checkpoint_period=steps,
-        )
-        _, trained_n = call(
-            nnx,
-            "train",
-            directory=root,
-            run_name="resumed-nnx",
-            steps=steps + 1,
-            checkpoint_period=steps,
-        )
+        trained_l = linen.train(root, "resumed-linen", steps + 1, checkpoint_period=steps)
+        trained_n = nnx.train(root, "resumed-nnx", steps + 1, checkpoint_period=steps)
         progress("checkpoint: each release restores its new checkpoint; 0.2.3 restores 0.2.5's")
-        after_l, _ = call(
-            linen, "restore", directory=root, run_name="resumed-linen", steps=steps + 2
-        )
-        after_n, _ = call(nnx, "restore", directory=root, run_name="resumed-nnx", steps=steps + 2)
+        after_l, _ = linen.restore(root, "resumed-linen", steps + 2)
+        after_n, _ = nnx.restore(root, "resumed-nnx", steps + 2)
         # the reverse: 0.2.3 restores what 0.2.5 wrote (it ignores 0.2.5's nnx_aux)
-        reverse_l, reverse_facts = call(
-            linen, "restore", directory=root, run_name="resumed-nnx", steps=steps + 2
-        )
+        reverse_l, reverse_facts = linen.restore(root, "resumed-nnx", steps + 2)
     finally:
         workers.close()
     records = state_records("restored", restored_l, restored_n)

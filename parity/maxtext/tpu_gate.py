@@ -19,9 +19,8 @@ from parity.analysis import hlo
 from parity.analysis.compiled_cost import CompiledCost
 from parity.engine.registry import Check, Front
 from parity.engine.result import CheckResult, human_bytes
-from parity.maxtext import compile_check, release_fault
-from parity.maxtext.checkpoint_gate import FACTORY, call
-from parity.maxtext.gate_config import RELEASES, MaxTextConfig, still_running
+from parity.maxtext import compile_check, release_fault, train_worker
+from parity.maxtext.gate_config import RELEASES, MaxTextConfig
 from parity.remote.client import WorkerSet
 from parity.remote.environments import Environment
 from parity.remote.proxy import RemoteProgram
@@ -47,17 +46,12 @@ def compiled_on_slice(
     }
     facts: dict[str, dict[str, Any]] = {}
     try:
-        for side in SIDES:
-            options = {"framework": side, "overrides": config.keys}
-            workers.start(
-                side, environments[side], FACTORY, options, None, variables, still_running
-            )
+        trainers = train_worker.start(workers, config, environments, variables)
         releases = " and ".join(RELEASES[s] for s in SIDES)
         progress(f"compile: MaxText {releases}'s train_compile for {target.describe()}")
 
         def compile_on(side: str) -> dict[str, Any]:
-            kwargs = {"topology": target.topology.name, "num_slices": target.num_slices}
-            return call(workers[side], "train_compile", **kwargs)[1]
+            return trainers[side].train_compile(target.topology.name, target.num_slices)
 
         # Each release compiles in its own process: side by side, the slower one sets the time;
         # a release's own exception is a finding (`release_fault`), with the other's outcome.
