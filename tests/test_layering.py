@@ -228,6 +228,17 @@ def test_shared_folders_import_no_front_end():
     assert not {k: v for k, v in reaching.items() if v}
 
 
+def test_the_readme_takes_the_checks_from_the_registry():
+    """The README's check table is the registry's (`markdown_table`), between its markers:
+    a check's description is written once."""
+    from parity.engine import registry
+
+    readme = (REPO / "README.md").read_text()
+    begin = readme.index("<!-- the checks of `parity CONFIG`")
+    table = readme[readme.index("\n", begin) + 1 : readme.index("<!-- end of the checks -->")]
+    assert table.strip() == registry.markdown_table(registry.Front.TWINS)
+
+
 def test_no_flags_below_the_front_doors():
     """Only the commands read absl's flags (`parity/cli.py`, `migrate/cli.py`, and the help
     page both render from the flags' definitions): everything below takes the options they
