@@ -166,8 +166,8 @@ def optimizer_skips_one_parameter(monkeypatch):
     """The final norm's scale is never updated by the optimizer."""
     original = nnx_train.make_train_step
 
-    def make(graphdef, tx):
-        step = original(graphdef, tx)
+    def make(cfg, graphdef, tx):
+        step = original(cfg, graphdef, tx)
 
         def skipping(params, opt_state, batch):
             new_params, opt_state, metrics = step(params, opt_state, batch)

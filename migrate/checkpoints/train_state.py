@@ -326,10 +326,7 @@ def init_state(spec: Spec, mesh: Mesh) -> TrainState:
     """Freshly initialised weights (the twin's own init, placed on `mesh`), the optimizer's
     initial state, step 0."""
     if spec.framework == "linen":
-        cfg = spec.cfg
-        model = linen_decoder.Decoder(cfg, mesh, use_pipeline=spec.use_pipeline)
-        tokens = jnp.zeros((cfg.global_batch_size, cfg.max_target_length), jnp.int32)
-        params = linen_decoder.init_variables(model, tokens)
+        params = linen_decoder.init_model(spec.cfg, mesh, use_pipeline=spec.use_pipeline)
     else:
         model = nnx_decoder.init_model(spec.cfg, mesh, use_pipeline=spec.use_pipeline)
         with nnx.use_eager_sharding(False):

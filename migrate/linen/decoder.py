@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from migrate.common import axes, numerics, placement, sharding
 from migrate.config.contract import Config
-from migrate.linen.layers import DecoderLayer, DenseGeneral, Embed, RMSNorm
+from migrate.linen.layers import DecoderLayer, DenseGeneral, Embed, RMSNorm, constrain
 from migrate.linen.pipeline import Pipeline, scan_layers
 
 
@@ -33,60 +33,51 @@ class Decoder(nn.Module):
     config: Config
     mesh: Mesh
     use_pipeline: bool | None = None
-    bubble_fill: float = 0.0
 
-    @nn.compact
-    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-        cfg, rules = self.config, self.config.logical_axis_rules
-        token_embedder = Embed(cfg, self.mesh, name="token_embedder")
-        x = token_embedder(tokens)
-        x = nn.with_logical_constraint(
-            x, axes.LOGITS_BATCH_LENGTH_EMBED, rules=rules, mesh=self.mesh
-        )
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        pipelined = cfg.using_pipeline if self.use_pipeline is None else self.use_pipeline
-        if pipelined:
-            with jax.named_scope(axes.INTO_PIPELINE):
-                x = nn.with_logical_constraint(
-                    x, axes.BATCH_LENGTH_EMBED, rules=rules, mesh=self.mesh
-                )
-            x, aux = Pipeline(cfg, self.mesh, self.bubble_fill, name="pipeline")(x, positions)
-            with jax.named_scope(axes.OUT_OF_PIPELINE):
-                x = nn.with_logical_constraint(
-                    x, axes.LOGITS_BATCH_LENGTH_EMBED, rules=rules, mesh=self.mesh
-                )
+    def setup(self) -> None:
+        cfg = self.config
+        self.pipelined = cfg.using_pipeline if self.use_pipeline is None else self.use_pipeline
+        self.token_embedder = Embed(cfg, self.mesh)
+        if self.pipelined:
+            self.pipeline = Pipeline(cfg, self.mesh)
             if placement.has_layers_after_pipeline(cfg):
-                after = LayersAfterPipeline(cfg, self.mesh, name="layers_after_pipeline")
-                x, after_aux = after(x, positions)
+                self.layers_after_pipeline = LayersAfterPipeline(cfg, self.mesh)
+        else:
+            self.layers = DecoderLayer(cfg, self.mesh)
+        self.decoder_norm = RMSNorm(cfg)
+        if not cfg.logits_via_embedding:
+            self.logits_dense = DenseGeneral(
+                (cfg.base_emb_dim,), (cfg.vocab_size,), axes.LOGITS_KERNEL, cfg
+            )
+
+    def __call__(
+        self, tokens: jax.Array, bubble_fill: float | jax.Array = 0.0
+    ) -> tuple[jax.Array, jax.Array]:
+        """`(logits, aux)`; `bubble_fill` goes to the pipeline (`Pipeline.__call__`)."""
+        cfg, rules = self.config, self.config.logical_axis_rules
+        x = self.token_embedder(tokens)
+        x = constrain(x, axes.LOGITS_BATCH_LENGTH_EMBED, self.mesh, rules)
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        if self.pipelined:
+            with jax.named_scope(axes.INTO_PIPELINE):
+                x = constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)
+            x, aux = self.pipeline(x, positions, bubble_fill)
+            with jax.named_scope(axes.OUT_OF_PIPELINE):
+                x = constrain(x, axes.LOGITS_BATCH_LENGTH_EMBED, self.mesh, rules)
+            if placement.has_layers_after_pipeline(cfg):
+                x, after_aux = self.layers_after_pipeline(x, positions)
                 aux = aux + after_aux
         else:
-            layer = remat_layer(cfg)(cfg, self.mesh, name="layers")
-            x, aux = scan_layers(
-                layer, x, positions, cfg.base_num_decoder_layers, axes.REFERENCE_LAYERS
-            )
-        x = RMSNorm(cfg, name="decoder_norm")(x)
-        x = nn.with_logical_constraint(x, axes.LOGITS_HEAD_INPUT, rules=rules, mesh=self.mesh)
-        head = (
-            token_embedder.attend
-            if cfg.logits_via_embedding
-            else DenseGeneral(
-                (cfg.base_emb_dim,), (cfg.vocab_size,), axes.LOGITS_KERNEL, cfg, name="logits_dense"
-            )
-        )
+            length = cfg.base_num_decoder_layers
+            policy = numerics.remat_policy(cfg)
+            x, aux = scan_layers(self.layers, x, positions, length, axes.REFERENCE_LAYERS, policy)
+        x = self.decoder_norm(x)
+        x = constrain(x, axes.LOGITS_HEAD_INPUT, self.mesh, rules)
+        head = self.token_embedder.attend if cfg.logits_via_embedding else self.logits_dense
         logits = head(x)
         logits = logits.astype(jnp.float32)
-        logits = nn.with_logical_constraint(
-            logits, axes.LOGITS_BATCH_LENGTH_VOCAB, rules=rules, mesh=self.mesh
-        )
+        logits = constrain(logits, axes.LOGITS_BATCH_LENGTH_VOCAB, self.mesh, rules)
         return logits, aux
-
-
-def remat_layer(cfg: Config) -> type[nn.Module]:
-    """`DecoderLayer`, rematerialised per layer as the config's policy says."""
-    policy = numerics.remat_policy(cfg)
-    if policy is None:
-        return DecoderLayer
-    return nn.remat(DecoderLayer, policy=policy, prevent_cse=False)
 
 
 class LayersAfterPipeline(nn.Module):
@@ -96,14 +87,19 @@ class LayersAfterPipeline(nn.Module):
     config: Config
     mesh: Mesh
 
-    @nn.compact
+    def setup(self) -> None:
+        cfg = sharding.after_pipeline_config(self.config)
+        self.layers = DecoderLayer(cfg, self.mesh)
+
     def __call__(self, x: jax.Array, positions: jax.Array, trace: bool = False):
         """`[B, T, E] -> ([B, T, E], aux)`; with `trace`, also every layer's output
         `[N-P, B, T, E]`."""
-        cfg = sharding.after_pipeline_config(self.config)
-        layer = remat_layer(cfg)(cfg, self.mesh, name="layers")
-        count = cfg.num_layers_after_pipeline
-        return scan_layers(layer, x, positions, count, axes.LAYERS_AFTER_PIPELINE, trace)
+        cfg = self.config
+        length = cfg.num_layers_after_pipeline
+        policy = numerics.remat_policy(cfg)
+        return scan_layers(
+            self.layers, x, positions, length, axes.LAYERS_AFTER_PIPELINE, policy, trace
+        )
 
 
 def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -120,29 +116,30 @@ def training_loss(cfg: Config, logits: jax.Array, aux: jax.Array, targets: jax.A
     return loss
 
 
-def param_shardings(abstract_variables, mesh: Mesh, cfg: Config):
+def param_shardings(abstract: dict, mesh: Mesh, cfg: Config) -> dict:
     """NamedSharding per leaf from the LogicallyPartitioned boxes (Linen's resolver; a dim the
     mesh axes do not divide replicated: `sharding.fitted_sharding`)."""
     rules = sharding.logical_rules(cfg)
 
-    def resolve(leaf):
+    def resolve(leaf: nn.LogicallyPartitioned | jax.ShapeDtypeStruct) -> NamedSharding:
         names = leaf.names if isinstance(leaf, nn.LogicallyPartitioned) else ()
         return sharding.fitted_sharding(tuple(names), tuple(nn.meta.unbox(leaf).shape), mesh, rules)
 
-    return jax.tree.map(
-        resolve, abstract_variables, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)
-    )
+    return jax.tree.map(resolve, abstract, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
 
 
-def init_variables(model: Decoder, tokens: jax.Array, seed: int | None = None):
-    """Boxed variables from `model.init`, each array placed on the mesh per its logical names."""
-    cfg = model.config
+def init_model(
+    cfg: Config, mesh: Mesh, seed: int | None = None, use_pipeline: bool | None = None
+) -> dict:
+    """The decoder's variables (boxed), each array created directly with its sharding on the
+    mesh, in one jitted init."""
     seed_arg = np.uint32(cfg.seed if seed is None else seed)
+    model = Decoder(cfg, mesh, use_pipeline)
+    tokens = np.zeros((cfg.global_batch_size, cfg.max_target_length), np.int32)
 
     def init(seed: jax.Array, tokens: jax.Array) -> dict:
         # The key is made inside the program: made outside, it is an eager op of its own.
         return model.init(jax.random.key(seed, impl=cfg.jax_default_prng_impl), tokens)
 
     abstract = jax.eval_shape(init, seed_arg, tokens)
-    shardings = param_shardings(abstract, model.mesh, cfg)
-    return jax.jit(init, out_shardings=shardings)(seed_arg, tokens)
+    return jax.jit(init, out_shardings=param_shardings(abstract, mesh, cfg))(seed_arg, tokens)

@@ -14,10 +14,16 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 from migrate.common import axes, moe, numerics, sharding
-from migrate.config.contract import Config
+from migrate.config.contract import Config, Rules
 
 # Large negative score for masked positions (finite, so a fully masked row stays NaN-free).
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def constrain(x: jax.Array, names: sharding.LogicalNames, mesh: Mesh, rules: Rules) -> jax.Array:
+    """`x` constrained to the sharding its logical `names` resolve to on `mesh` through `rules`
+    (Linen's resolver); without rules, `x` as it is."""
+    return nn.with_logical_constraint(x, names, rules=rules, mesh=mesh)
 
 
 class DenseGeneral(nn.Module):
@@ -28,24 +34,26 @@ class DenseGeneral(nn.Module):
     kernel_axes: tuple[str, ...]
     config: Config
 
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        cfg = self.config
+    def setup(self) -> None:
         n_in = len(self.in_features)
         init = numerics.kernel_init(
             in_axis=tuple(range(n_in)), out_axis=tuple(range(n_in, n_in + len(self.out_features)))
         )
-        kernel = self.param(
+        self.kernel = self.param(
             "kernel",
             nn.with_logical_partitioning(init, self.kernel_axes),
             (*self.in_features, *self.out_features),
-            numerics.weight_dtype(cfg),
+            numerics.weight_dtype(self.config),
         )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        n_in = len(self.in_features)
         dtype = numerics.activation_dtype(cfg)
         contract_x = tuple(range(x.ndim - n_in, x.ndim))
         return jnp.tensordot(
             x.astype(dtype),
-            kernel.astype(dtype),
+            self.kernel.astype(dtype),
             axes=(contract_x, tuple(range(n_in))),
             precision=numerics.precision(cfg),
         )
@@ -82,7 +90,7 @@ class Embed(nn.Module):
             table, sharding.gathered_over_fsdp(axes.EMBEDDING, self.mesh, cfg)
         )
         rows = jnp.take(table, tokens, axis=0).astype(numerics.activation_dtype(cfg))
-        return sharding.constrain(rows, axes.EMBEDDING_ROWS, self.mesh, cfg.logical_axis_rules)
+        return constrain(rows, axes.EMBEDDING_ROWS, self.mesh, cfg.logical_axis_rules)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Logits `x @ embedding.T` in the activation dtype and matmul precision.
@@ -104,19 +112,21 @@ class RMSNorm(nn.Module):
 
     config: Config
 
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def setup(self) -> None:
         cfg = self.config
-        scale = self.param(
+        self.scale = self.param(
             "scale",
             nn.with_logical_partitioning(numerics.scale_init, axes.NORM_SCALE),
             (cfg.base_emb_dim,),
             numerics.weight_dtype(cfg),
         )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
         x32 = x.astype(jnp.float32)
         mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
         normed = x32 * jax.lax.rsqrt(mean_square + cfg.normalization_layer_epsilon)
-        return (normed * scale.astype(jnp.float32)).astype(numerics.activation_dtype(cfg))
+        return (normed * self.scale.astype(jnp.float32)).astype(numerics.activation_dtype(cfg))
 
 
 class RotaryEmbedding(nn.Module):
@@ -164,15 +174,9 @@ class Attention(nn.Module):
         query = self.rotary(self.query(x), positions)
         key = self.rotary(self.key(x), positions)
         value = self.value(x)
-        query = nn.with_logical_constraint(
-            query, axes.BATCH_LENGTH_HEADS_KV, rules=rules, mesh=self.mesh
-        )
-        key = nn.with_logical_constraint(
-            key, axes.BATCH_LENGTH_KV_HEADS_KV, rules=rules, mesh=self.mesh
-        )
-        value = nn.with_logical_constraint(
-            value, axes.BATCH_LENGTH_KV_HEADS_KV, rules=rules, mesh=self.mesh
-        )
+        query = constrain(query, axes.BATCH_LENGTH_HEADS_KV, self.mesh, rules)
+        key = constrain(key, axes.BATCH_LENGTH_KV_HEADS_KV, self.mesh, rules)
+        value = constrain(value, axes.BATCH_LENGTH_KV_HEADS_KV, self.mesh, rules)
         query = query * cfg.head_dim**-0.5
         batch, length, heads, head_dim = query.shape
         groups = heads // cfg.base_num_kv_heads
@@ -196,15 +200,14 @@ class MLP(nn.Module):
 
     def setup(self) -> None:
         cfg = self.config
-        self.wi_0 = DenseGeneral((cfg.base_emb_dim,), (cfg.base_mlp_dim,), axes.MLP_IN, cfg)
-        self.wi_1 = DenseGeneral((cfg.base_emb_dim,), (cfg.base_mlp_dim,), axes.MLP_IN, cfg)
-        self.wo = DenseGeneral((cfg.base_mlp_dim,), (cfg.base_emb_dim,), axes.MLP_OUT, cfg)
+        emb, mlp = cfg.base_emb_dim, cfg.base_mlp_dim
+        self.wi_0 = DenseGeneral((emb,), (mlp,), axes.MLP_IN, cfg)
+        self.wi_1 = DenseGeneral((emb,), (mlp,), axes.MLP_IN, cfg)
+        self.wo = DenseGeneral((mlp,), (emb,), axes.MLP_OUT, cfg)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         hidden = jax.nn.silu(self.wi_0(x)) * self.wi_1(x)
-        hidden = nn.with_logical_constraint(
-            hidden, axes.BATCH_LENGTH_MLP, rules=self.config.logical_axis_rules, mesh=self.mesh
-        )
+        hidden = constrain(hidden, axes.BATCH_LENGTH_MLP, self.mesh, self.config.logical_axis_rules)
         return self.wo(hidden)
 
 
@@ -257,24 +260,18 @@ class MoeBlock(nn.Module):
         cfg = self.config
         rules, dtype, precision = cfg.logical_axis_rules, x.dtype, numerics.precision(cfg)
         # Routing runs on the tokens as the layer shards them (the expert axis splits them).
-        x = nn.with_logical_constraint(x, axes.BATCH_LENGTH_EMBED, rules=rules, mesh=self.mesh)
+        x = constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)
         probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)
         combine, routed = moe.route(probs, cfg.num_experts_per_tok)  # [b, t, E] each
-        x = nn.with_logical_constraint(
-            x, axes.BATCH_NO_EXP_LENGTH_EMBED, rules=rules, mesh=self.mesh
-        )
+        x = constrain(x, axes.BATCH_NO_EXP_LENGTH_EMBED, self.mesh, rules)
         gate_proj = jnp.einsum("btd,edf->btef", x, self.wi_0.astype(dtype), precision=precision)
         up_proj = jnp.einsum("btd,edf->btef", x, self.wi_1.astype(dtype), precision=precision)
         hidden = jax.nn.silu(gate_proj) * up_proj * combine[..., None].astype(dtype)
-        hidden = nn.with_logical_constraint(
-            hidden, axes.BATCH_NO_EXP_LENGTH_EXP_MLP, rules=rules, mesh=self.mesh
-        )
+        hidden = constrain(hidden, axes.BATCH_NO_EXP_LENGTH_EXP_MLP, self.mesh, rules)
         y = jnp.einsum("btef,efd->btd", hidden, self.wo.astype(dtype), precision=precision)
         # Pinned, or XLA may gather the tokens over fsdp to meet wo's fsdp-split embed dim and
         # compute the output projection once per fsdp shard (measured: 1.29x the matmul work).
-        y = nn.with_logical_constraint(
-            y, axes.BATCH_NO_EXP_LENGTH_EMBED, rules=rules, mesh=self.mesh
-        )
+        y = constrain(y, axes.BATCH_NO_EXP_LENGTH_EMBED, self.mesh, rules)
         return y, moe.load_balance_loss(probs, routed)
 
 
@@ -296,12 +293,12 @@ class DecoderLayer(nn.Module):
     def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         rules = self.config.logical_axis_rules
         x = checkpoint_name(x, axes.DECODER_LAYER_INPUT)
-        x = nn.with_logical_constraint(x, axes.BATCH_LENGTH_EMBED, rules=rules, mesh=self.mesh)
+        x = constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)
         x = x + self.self_attention(self.pre_self_attention_layer_norm(x), positions)
         if self.config.num_experts > 1:
             mlp_out, aux = self.mlp(self.post_self_attention_layer_norm(x))
         else:
             mlp_out, aux = self.mlp(self.post_self_attention_layer_norm(x)), jnp.zeros(())
         x = x + mlp_out
-        x = nn.with_logical_constraint(x, axes.BATCH_LENGTH_EMBED, rules=rules, mesh=self.mesh)
+        x = constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)
         return x, aux

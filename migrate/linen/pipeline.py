@@ -9,6 +9,7 @@ the stage inputs under `jax.vmap(spmd_axis_name='stage')`, as MaxText's Linen pi
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -18,7 +19,21 @@ from jax.sharding import Mesh, NamedSharding
 
 from migrate.common import axes, numerics, schedule, sharding
 from migrate.config.contract import Config
-from migrate.linen.layers import DecoderLayer
+from migrate.linen.layers import DecoderLayer, constrain
+
+
+def apply_layer(
+    layer: nn.Module, x: jax.Array, positions: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """One decoder layer's `(x, aux)`: what `remat_layer` rematerialises."""
+    return layer(x, positions)
+
+
+def remat_layer(policy: Callable | None) -> Callable:
+    """`apply_layer` under `jax.checkpoint` with `policy` (None: `apply_layer` itself)."""
+    if policy is None:
+        return apply_layer
+    return nn.remat(apply_layer, policy=policy, prevent_cse=False)
 
 
 def scan_layers(
@@ -27,14 +42,17 @@ def scan_layers(
     positions: jax.Array,
     length: int,
     axis_name: str,
+    policy: Callable | None = None,
     trace: bool = False,
 ):
-    """Apply `layer` `length` times, its weights stacked on a new leading axis `axis_name`:
-    `(x, aux)`, aux the layers' load-balancing losses summed (carried through the scan); with
-    `trace`, also every application's output, stacked (the drill-down compares them)."""
+    """Apply `layer` `length` times, its weights stacked on a new leading axis `axis_name`,
+    each application rematerialised with `policy` (`remat_layer`): `(x, aux)`, aux the layers'
+    load-balancing losses summed (carried through the scan); with `trace`, also every
+    application's output, stacked (the drill-down compares them)."""
+    call = remat_layer(policy)
 
     def body(module: nn.Module, carry, pos: jax.Array):
-        y, aux = module(carry[0], pos)
+        y, aux = call(module, carry[0], pos)
         return (y, carry[1] + aux), (y if trace else None)
 
     scanned = nn.scan(
@@ -62,16 +80,23 @@ class StageLayers(nn.Module):
     config: Config
     mesh: Mesh
 
-    @nn.compact
+    def setup(self) -> None:
+        cfg = self.config
+        if cfg.scan_layers_per_stage:
+            self.layers = DecoderLayer(cfg, self.mesh)
+        else:
+            for slot in range(cfg.layers_per_stage):
+                setattr(self, f"layers_{slot}", DecoderLayer(cfg, self.mesh))
+
     def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """`(x, aux)`: aux the L layers' load-balancing losses summed."""
         cfg = self.config
         if cfg.scan_layers_per_stage:
-            layer = DecoderLayer(cfg, self.mesh, name="layers")
-            return scan_layers(layer, x, positions, cfg.layers_per_stage, axes.LAYERS_PER_STAGE)
+            length = cfg.layers_per_stage
+            return scan_layers(self.layers, x, positions, length, axes.LAYERS_PER_STAGE)
         aux = jnp.zeros(())
         for slot in range(cfg.layers_per_stage):
-            x, layer_aux = DecoderLayer(cfg, self.mesh, name=f"layers_{slot}")(x, positions)
+            x, layer_aux = getattr(self, f"layers_{slot}")(x, positions)
             aux = aux + layer_aux
         return x, aux
 
@@ -102,32 +127,39 @@ def stacked_stages(cfg: Config) -> type[nn.Module]:
 
 
 class Pipeline(nn.Module):
-    """The decoder layers as an S-stage circular pipeline over M microbatches.
-
-    `bubble_fill` is a test hook: the value that fills the loop buffers before any stage has
-    written them. NaN there must reach no output and no gradient.
-    """
+    """The decoder layers as an S-stage circular pipeline over M microbatches."""
 
     config: Config
     mesh: Mesh
-    bubble_fill: float = 0.0
 
-    @nn.compact
-    def __call__(self, inputs: jax.Array, positions: jax.Array, trace: bool = False):
+    def setup(self) -> None:
+        cfg = self.config
+        self.layers = stacked_stages(cfg)(cfg, self.mesh)
+
+    def __call__(
+        self,
+        inputs: jax.Array,
+        positions: jax.Array,
+        bubble_fill: float | jax.Array = 0.0,
+        trace: bool = False,
+    ):
         """`[B, T, E] -> ([B, T, E], aux)`; with `trace`, also every iteration's stage outputs
         `[iterations, S, B/M, T, E]` (the drill-down compares them). `aux`: the layers'
-        load-balancing losses, summed over layers and averaged over the M microbatches."""
+        load-balancing losses, summed over layers and averaged over the M microbatches.
+
+        `bubble_fill` fills the loop buffers before any stage has written them (a test hook:
+        NaN there must reach no output and no gradient)."""
         cfg = self.config
-        stages = stacked_stages(cfg)(cfg, self.mesh, name="layers")
         if self.is_initializing():
             # Creates the [R, S, ...] weights; the init output only needs the right shape.
-            stages(inputs[: cfg.microbatch_size], positions[: cfg.microbatch_size])
+            self.layers(inputs[: cfg.microbatch_size], positions[: cfg.microbatch_size])
             return inputs, jnp.zeros(())
+        stage = StageLayers(cfg, self.mesh, parent=None)
         boxed_weights = self.variables["params"]["layers"]
         weights = nn.meta.unbox(boxed_weights)
         if cfg.pipeline_fsdp_ag_once:
             weights = self.all_gather_over_fsdp(boxed_weights, weights)
-        return self.run(weights, inputs, positions, trace)
+        return self.run(stage, weights, inputs, positions, bubble_fill, trace)
 
     def all_gather_over_fsdp(self, boxed_weights, weights):
         """Constrain the stage weights to their sharding without `fsdp`, once, before the loop."""
@@ -157,7 +189,7 @@ class Pipeline(nn.Module):
             # Sliced while still split over fsdp, then gathered: left to choose, XLA gathers
             # all R repeats before the loop and slices them, as ag-once does.
             window = jax.lax.dynamic_slice_in_dim(w, start, length, axis=0)
-            window = sharding.constrain(window, tuple(names), self.mesh, cfg.logical_axis_rules)
+            window = constrain(window, tuple(names), self.mesh, cfg.logical_axis_rules)
             spec = sharding.gathered_over_fsdp(tuple(names), self.mesh, cfg)
             return jax.lax.with_sharding_constraint(window, spec)
 
@@ -207,14 +239,14 @@ class Pipeline(nn.Module):
             history = jnp.concatenate([history, drained])
         return loop_state, history
 
-    def run_stages(self, weights, stage_inputs, stage_positions, repeat_ids):
+    def run_stages(self, stage, weights, stage_inputs, stage_positions, repeat_ids):
         """Every stage applies its layers (for its current repeat: `repeat_ids` index the
         leading axis of `weights`, all R repeats or a window of them) to its input, in parallel:
         (outputs `[S, ...]`, load-balancing losses `[S]`);
         on fsdp x tensor meshes with that repeat's weights gathered over `fsdp` for the visit
-        (`sharding.stage_weights_need_gathering`)."""
+        (`sharding.stage_weights_need_gathering`). `stage` is the module the weights are applied
+        with: an unbound `StageLayers` (Linen), the stacked stages' `GraphDef` (NNX)."""
         cfg = self.config
-        stage = StageLayers(cfg, self.mesh, parent=None)
         stacked = 2 if cfg.num_repeats > 1 else 1  # [R,] S leading axes, gone inside one_stage
         gathered = jax.tree.map(
             lambda names: sharding.gathered_over_fsdp(names[stacked:], self.mesh, cfg),
@@ -236,11 +268,19 @@ class Pipeline(nn.Module):
             weights, stage_inputs, stage_positions, repeat_ids
         )
 
-    def run(self, weights, inputs: jax.Array, positions: jax.Array, trace: bool = False):
+    def run(
+        self,
+        stage,
+        weights,
+        inputs: jax.Array,
+        positions: jax.Array,
+        bubble_fill: float | jax.Array,
+        trace: bool,
+    ):
         """The iteration loop: `M*R + d*(S-1)` iterations of all stages, then reassembly."""
         cfg, mesh, rules = self.config, self.mesh, self.config.logical_axis_rules
         num_micro = cfg.num_microbatches
-        micro_inputs = sharding.constrain(
+        micro_inputs = constrain(
             schedule.split_microbatches(inputs, num_micro),
             axes.MICROBATCH_BATCH_LENGTH_EMBED,
             mesh,
@@ -248,19 +288,19 @@ class Pipeline(nn.Module):
         )
         micro_positions = schedule.split_microbatches(positions, num_micro)
         stage_shape = (cfg.num_stages, *micro_inputs.shape[1:])
-        fill = jnp.asarray(self.bubble_fill, inputs.dtype)
+        fill = jnp.asarray(bubble_fill, inputs.dtype)
         loop_state = {
             "shift": jnp.full(stage_shape, fill),  # each stage's input for the next iteration
             "previous": jnp.full(stage_shape, fill),  # last iteration's rotated outputs (d=2)
             # Inputs, circular storage and finished outputs: stage 0's row, sharded over stages.
-            "store": sharding.constrain(
+            "store": constrain(
                 schedule.first_stage_store(micro_inputs, cfg.num_stages, fill),
                 axes.STAGE_MICROBATCH_BATCH_LENGTH_EMBED,
                 mesh,
                 rules,
             ),
             # Each stage's load-balancing losses, summed over the slots it worked (stage-local).
-            "aux": sharding.constrain(jnp.zeros(cfg.num_stages), axes.PER_STAGE, mesh, rules),
+            "aux": constrain(jnp.zeros(cfg.num_stages), axes.PER_STAGE, mesh, rules),
         }
 
         def iteration(window, first_repeat, state, t):
@@ -269,19 +309,14 @@ class Pipeline(nn.Module):
             # Idle slots compute on zeros: NaN x 0 in the backward pass would poison gradients.
             stage_inputs = jnp.where(valid[:, None, None, None], stage_inputs, 0)
             stage_inputs = checkpoint_name(stage_inputs, axes.ITERATION_INPUT)
-            stage_inputs = nn.with_logical_constraint(
-                stage_inputs, axes.STAGE_BATCH_LENGTH_EMBED, rules=rules, mesh=mesh
-            )
+            stage_inputs = constrain(stage_inputs, axes.STAGE_BATCH_LENGTH_EMBED, mesh, rules)
             stage_outputs, stage_aux = self.run_stages(
-                window, stage_inputs, micro_positions[micro_ids], repeat_ids - first_repeat
+                stage, window, stage_inputs, micro_positions[micro_ids], repeat_ids - first_repeat
             )
             # The schedule's one collective per iteration: outputs move one stage right. The
             # rotation wraps the last stage's output around to stage 0, which stores it locally.
-            rotated = nn.with_logical_constraint(
-                rotate_stages(stage_outputs),
-                axes.STAGE_BATCH_LENGTH_EMBED,
-                rules=rules,
-                mesh=mesh,
+            rotated = constrain(
+                rotate_stages(stage_outputs), axes.STAGE_BATCH_LENGTH_EMBED, mesh, rules
             )
             new_state = {
                 "shift": rotated if cfg.forwarding_delay == 1 else state["previous"],
@@ -289,11 +324,8 @@ class Pipeline(nn.Module):
                 "store": schedule.store_finished(cfg, state["store"], rotated, t),
                 # Bubbles count nothing: a select, so that NaN there cannot leak (NaN x 0 is NaN).
                 # Pinned to the stages: left to XLA, it gathers the [S] sums over stages.
-                "aux": nn.with_logical_constraint(
-                    state["aux"] + jnp.where(valid, stage_aux, 0.0),
-                    axes.PER_STAGE,
-                    rules=rules,
-                    mesh=mesh,
+                "aux": constrain(
+                    state["aux"] + jnp.where(valid, stage_aux, 0.0), axes.PER_STAGE, mesh, rules
                 ),
             }
             return new_state, (stage_outputs if trace else None)
@@ -316,7 +348,7 @@ class Pipeline(nn.Module):
         # Stage 0's row holds the finished outputs: broadcast to every stage once, after the loop
         # (pinned: left to XLA, the slice of the stage-split store reshards to the logits' batch
         # split by replicating the whole store, "No involuntary rematerialisation").
-        finished = sharding.constrain(
+        finished = constrain(
             loop_state["store"][0], axes.MICROBATCH_BATCH_LENGTH_EMBED, mesh, rules
         )
         outputs = schedule.merge_microbatches(finished)

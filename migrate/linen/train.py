@@ -23,25 +23,21 @@ from migrate.linen.decoder import Decoder, training_loss
 from migrate.linen.decoder import param_shardings as param_shardings_of
 
 
-def make_loss_fn(
-    cfg: Config, mesh: Mesh, use_pipeline: bool | None = None, bubble_fill: float = 0.0
-) -> Callable:
-    """`(params, batch) -> (loss, (logits, aux))` for the decoder the arguments describe: the
-    loss the optimizer sees (`training_loss`) and the load-balancing loss aux in it. A
-    `bubble_fill` passed to the loss (an array) overrides the constant at run time."""
-    model = Decoder(cfg, mesh, use_pipeline=use_pipeline, bubble_fill=bubble_fill)
+def make_loss_fn(cfg: Config, model: Decoder) -> Callable:
+    """`(params, batch, bubble_fill=0.0) -> (loss, (logits, aux))` for `model`, the decoder of
+    `cfg`: the loss the optimizer sees (`training_loss`) and the load-balancing loss aux in it;
+    `bubble_fill` (a test hook, `Pipeline.__call__`) goes to the decoder's call."""
 
-    def loss_fn(params, batch, bubble_fill=None):
-        filled = model if bubble_fill is None else model.clone(bubble_fill=bubble_fill)
-        logits, aux = filled.apply({"params": params}, batch["inputs"])
+    def loss_fn(params, batch, bubble_fill: float | jax.Array = 0.0):
+        logits, aux = model.apply({"params": params}, batch["inputs"], bubble_fill)
         return training_loss(cfg, logits, aux, batch["targets"]), (logits, aux)
 
     return loss_fn
 
 
-def make_train_step(cfg: Config, mesh: Mesh, tx: optax.GradientTransformation) -> Callable:
+def make_train_step(cfg: Config, model: Decoder, tx: optax.GradientTransformation) -> Callable:
     """`(params, opt_state, batch) -> (params, opt_state, metrics)`, pure; jit it."""
-    loss_fn = make_loss_fn(cfg, mesh)
+    loss_fn = make_loss_fn(cfg, model)
 
     def train_step(params, opt_state, batch):
         (loss, (_, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
@@ -61,9 +57,9 @@ def step_metrics(cfg: Config, loss: jax.Array, aux: jax.Array, grads: Any) -> di
     return metrics
 
 
-def make_eval_step(cfg: Config, mesh: Mesh) -> Callable:
+def make_eval_step(cfg: Config, model: Decoder) -> Callable:
     """`(params, batch) -> loss`, forward only."""
-    loss_fn = make_loss_fn(cfg, mesh)
+    loss_fn = make_loss_fn(cfg, model)
     return lambda params, batch: loss_fn(params, batch)[0]
 
 

@@ -5,8 +5,6 @@ Twin of `migrate/linen/decoder.py`.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from migrate.common import axes, numerics, placement, sharding
 from migrate.config.contract import Config
-from migrate.nnx.layers import DecoderLayer, DenseGeneral, Embed, RMSNorm
+from migrate.nnx.layers import DecoderLayer, DenseGeneral, Embed, RMSNorm, constrain
 from migrate.nnx.pipeline import Pipeline, scan_layers, stack_modules
 
 
@@ -33,25 +31,21 @@ class Decoder(nnx.Module):
     pipeline (mean over microbatches of their means) and the reference agree."""
 
     def __init__(
-        self,
-        config: Config,
-        mesh: Mesh,
-        use_pipeline: bool | None = None,
-        bubble_fill: float = 0.0,
-        *,
-        rngs: nnx.Rngs,
+        self, config: Config, mesh: Mesh, use_pipeline: bool | None = None, *, rngs: nnx.Rngs
     ) -> None:
-        cfg = self.config = config
+        self.config = config
         self.mesh = mesh
-        self.pipelined = cfg.using_pipeline if use_pipeline is None else use_pipeline
-        self.token_embedder = Embed(cfg, mesh, rngs=rngs)
+        self.use_pipeline = use_pipeline
+        cfg = self.config
+        self.pipelined = cfg.using_pipeline if self.use_pipeline is None else self.use_pipeline
+        self.token_embedder = Embed(cfg, self.mesh, rngs=rngs)
         if self.pipelined:
-            self.pipeline = Pipeline(cfg, mesh, bubble_fill, rngs=rngs)
+            self.pipeline = Pipeline(cfg, self.mesh, rngs=rngs)
             if placement.has_layers_after_pipeline(cfg):
-                self.layers_after_pipeline = LayersAfterPipeline(cfg, mesh, rngs=rngs)
+                self.layers_after_pipeline = LayersAfterPipeline(cfg, self.mesh, rngs=rngs)
         else:
             self.layers = stack_modules(
-                lambda r: DecoderLayer(cfg, mesh, rngs=r),
+                lambda r: DecoderLayer(cfg, self.mesh, rngs=r),
                 cfg.base_num_decoder_layers,
                 axes.REFERENCE_LAYERS,
                 rngs,
@@ -62,29 +56,32 @@ class Decoder(nnx.Module):
                 (cfg.base_emb_dim,), (cfg.vocab_size,), axes.LOGITS_KERNEL, cfg, rngs=rngs
             )
 
-    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(
+        self, tokens: jax.Array, bubble_fill: float | jax.Array = 0.0
+    ) -> tuple[jax.Array, jax.Array]:
+        """`(logits, aux)`; `bubble_fill` goes to the pipeline (`Pipeline.__call__`)."""
         cfg, rules = self.config, self.config.logical_axis_rules
         x = self.token_embedder(tokens)
-        x = sharding.constrain(x, axes.LOGITS_BATCH_LENGTH_EMBED, self.mesh, rules)
+        x = constrain(x, axes.LOGITS_BATCH_LENGTH_EMBED, self.mesh, rules)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         if self.pipelined:
             with jax.named_scope(axes.INTO_PIPELINE):
-                x = sharding.constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)
-            x, aux = self.pipeline(x, positions)
+                x = constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)
+            x, aux = self.pipeline(x, positions, bubble_fill)
             with jax.named_scope(axes.OUT_OF_PIPELINE):
-                x = sharding.constrain(x, axes.LOGITS_BATCH_LENGTH_EMBED, self.mesh, rules)
+                x = constrain(x, axes.LOGITS_BATCH_LENGTH_EMBED, self.mesh, rules)
             if placement.has_layers_after_pipeline(cfg):
-                after = self.layers_after_pipeline
-                x, after_aux = after(x, positions)
+                x, after_aux = self.layers_after_pipeline(x, positions)
                 aux = aux + after_aux
         else:
-            x, aux = scan_layers(self.layers, x, positions, numerics.remat_policy(cfg))
+            policy = numerics.remat_policy(cfg)
+            x, aux = scan_layers(self.layers, x, positions, policy)
         x = self.decoder_norm(x)
-        x = sharding.constrain(x, axes.LOGITS_HEAD_INPUT, self.mesh, rules)
+        x = constrain(x, axes.LOGITS_HEAD_INPUT, self.mesh, rules)
         head = self.token_embedder.attend if cfg.logits_via_embedding else self.logits_dense
         logits = head(x)
         logits = logits.astype(jnp.float32)
-        logits = sharding.constrain(logits, axes.LOGITS_BATCH_LENGTH_VOCAB, self.mesh, rules)
+        logits = constrain(logits, axes.LOGITS_BATCH_LENGTH_VOCAB, self.mesh, rules)
         return logits, aux
 
 
@@ -93,9 +90,11 @@ class LayersAfterPipeline(nnx.Module):
     split over stages too (`sharding.after_pipeline_config`)."""
 
     def __init__(self, config: Config, mesh: Mesh, *, rngs: nnx.Rngs) -> None:
-        cfg = self.config = sharding.after_pipeline_config(config)
+        self.config = config
+        self.mesh = mesh
+        cfg = sharding.after_pipeline_config(self.config)
         self.layers = stack_modules(
-            lambda r: DecoderLayer(cfg, mesh, rngs=r),
+            lambda r: DecoderLayer(cfg, self.mesh, rngs=r),
             cfg.num_layers_after_pipeline,
             axes.LAYERS_AFTER_PIPELINE,
             rngs,
@@ -104,7 +103,9 @@ class LayersAfterPipeline(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, trace: bool = False):
         """`[B, T, E] -> ([B, T, E], aux)`; with `trace`, also every layer's output
         `[N-P, B, T, E]`."""
-        return scan_layers(self.layers, x, positions, numerics.remat_policy(self.config), trace)
+        cfg = self.config
+        policy = numerics.remat_policy(cfg)
+        return scan_layers(self.layers, x, positions, policy, trace)
 
 
 def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -121,7 +122,7 @@ def training_loss(cfg: Config, logits: jax.Array, aux: jax.Array, targets: jax.A
     return loss
 
 
-def param_shardings(abstract_state: nnx.State, mesh: Mesh, cfg: Config) -> nnx.State:
+def param_shardings(abstract: nnx.State, mesh: Mesh, cfg: Config) -> nnx.State:
     """NamedSharding per Variable from its `out_sharding` names (Linen's resolver; a dim the
     mesh axes do not divide replicated: `sharding.fitted_sharding`)."""
     rules = sharding.logical_rules(cfg)
@@ -130,34 +131,30 @@ def param_shardings(abstract_state: nnx.State, mesh: Mesh, cfg: Config) -> nnx.S
         names = variable.get_metadata().get("out_sharding") or ()
         return sharding.fitted_sharding(tuple(names), tuple(variable.shape), mesh, rules)
 
-    return jax.tree.map(resolve, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(resolve, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def init_model(
-    cfg: Config,
-    mesh: Mesh,
-    seed: int | None = None,
-    use_pipeline: bool | None = None,
-    bubble_fill: float = 0.0,
+    cfg: Config, mesh: Mesh, seed: int | None = None, use_pipeline: bool | None = None
 ) -> Decoder:
-    """A Decoder whose arrays are created directly with their sharding on the mesh.
+    """The decoder, each array created directly with its sharding on the mesh, in one jitted
+    init.
 
     NNX's eager sharding would shard each layer inside `nnx.vmap`, before the stacked axis
     exists, leaving the stage axis replicated; so build without it and place every array by its
-    full `out_sharding` in one jitted init.
+    full `out_sharding`.
     """
     seed_arg = np.uint32(cfg.seed if seed is None else seed)
-    build = functools.partial(Decoder, cfg, mesh, use_pipeline, bubble_fill)
 
     def init(seed: jax.Array) -> Decoder:
         # The key is made inside the program: made outside, it is an eager op of its own.
         with nnx.use_eager_sharding(False):
-            return build(rngs=nnx.Rngs(jax.random.key(seed, impl=cfg.jax_default_prng_impl)))
+            key = jax.random.key(seed, impl=cfg.jax_default_prng_impl)
+            return Decoder(cfg, mesh, use_pipeline, rngs=nnx.Rngs(key))
 
-    graphdef, abstract_state = nnx.split(nnx.eval_shape(init, seed_arg))
-
-    @functools.partial(jax.jit, out_shardings=param_shardings(abstract_state, mesh, cfg))
     def create(seed: jax.Array) -> nnx.State:
         return nnx.split(init(seed))[1]
 
-    return nnx.merge(graphdef, create(seed_arg))
+    graphdef, abstract = nnx.split(nnx.eval_shape(init, seed_arg))
+    state = jax.jit(create, out_shardings=param_shardings(abstract, mesh, cfg))(seed_arg)
+    return nnx.merge(graphdef, state)

@@ -15,10 +15,16 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 from migrate.common import axes, moe, numerics, sharding
-from migrate.config.contract import Config
+from migrate.config.contract import Config, Rules
 
 # Large negative score for masked positions (finite, so a fully masked row stays NaN-free).
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def constrain(x: jax.Array, names: sharding.LogicalNames, mesh: Mesh, rules: Rules) -> jax.Array:
+    """`x` constrained to the sharding its logical `names` resolve to on `mesh` through `rules`
+    (Linen's resolver); without rules, `x` as it is."""
+    return sharding.constrain(x, names, mesh, rules) if rules else x
 
 
 class DenseGeneral(nnx.Module):
@@ -34,14 +40,20 @@ class DenseGeneral(nnx.Module):
         rngs: nnx.Rngs,
     ) -> None:
         self.in_features = in_features
+        self.out_features = out_features
+        self.kernel_axes = kernel_axes
         self.config = config
-        n_in = len(in_features)
+        n_in = len(self.in_features)
         init = numerics.kernel_init(
-            in_axis=tuple(range(n_in)), out_axis=tuple(range(n_in, n_in + len(out_features)))
+            in_axis=tuple(range(n_in)), out_axis=tuple(range(n_in, n_in + len(self.out_features)))
         )
         self.kernel = nnx.Param(
-            init(rngs.params(), (*in_features, *out_features), numerics.weight_dtype(config)),
-            out_sharding=kernel_axes,
+            init(
+                rngs.params(),
+                (*self.in_features, *self.out_features),
+                numerics.weight_dtype(self.config),
+            ),
+            out_sharding=self.kernel_axes,
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -71,11 +83,10 @@ class Embed(nnx.Module):
     def __init__(self, config: Config, mesh: Mesh | None = None, *, rngs: nnx.Rngs) -> None:
         self.config = config
         self.mesh = mesh
+        cfg = self.config
         self.embedding = nnx.Param(
             numerics.embedding_init(
-                rngs.params(),
-                (config.vocab_size, config.base_emb_dim),
-                numerics.weight_dtype(config),
+                rngs.params(), (cfg.vocab_size, cfg.base_emb_dim), numerics.weight_dtype(cfg)
             ),
             out_sharding=axes.EMBEDDING,
         )
@@ -88,7 +99,7 @@ class Embed(nnx.Module):
             table, sharding.gathered_over_fsdp(axes.EMBEDDING, self.mesh, cfg)
         )
         rows = jnp.take(table, tokens, axis=0).astype(numerics.activation_dtype(cfg))
-        return sharding.constrain(rows, axes.EMBEDDING_ROWS, self.mesh, cfg.logical_axis_rules)
+        return constrain(rows, axes.EMBEDDING_ROWS, self.mesh, cfg.logical_axis_rules)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Logits `x @ embedding.T` in the activation dtype and matmul precision.
@@ -110,10 +121,9 @@ class RMSNorm(nnx.Module):
 
     def __init__(self, config: Config, *, rngs: nnx.Rngs) -> None:
         self.config = config
+        cfg = self.config
         self.scale = nnx.Param(
-            numerics.scale_init(
-                rngs.params(), (config.base_emb_dim,), numerics.weight_dtype(config)
-            ),
+            numerics.scale_init(rngs.params(), (cfg.base_emb_dim,), numerics.weight_dtype(cfg)),
             out_sharding=axes.NORM_SCALE,
         )
 
@@ -122,8 +132,7 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
         normed = x32 * jax.lax.rsqrt(mean_square + cfg.normalization_layer_epsilon)
-        scale = self.scale[...]
-        return (normed * scale.astype(jnp.float32)).astype(numerics.activation_dtype(cfg))
+        return (normed * self.scale[...].astype(jnp.float32)).astype(numerics.activation_dtype(cfg))
 
 
 class RotaryEmbedding(nnx.Module):
@@ -150,8 +159,9 @@ class Attention(nnx.Module):
     """Grouped-query causal self-attention with rotary position embedding."""
 
     def __init__(self, config: Config, mesh: Mesh, *, rngs: nnx.Rngs) -> None:
-        cfg = self.config = config
+        self.config = config
         self.mesh = mesh
+        cfg = self.config
         emb, heads, kv_heads, head_dim = (
             cfg.base_emb_dim,
             cfg.base_num_query_heads,
@@ -170,9 +180,9 @@ class Attention(nnx.Module):
         query = self.rotary(self.query(x), positions)
         key = self.rotary(self.key(x), positions)
         value = self.value(x)
-        query = sharding.constrain(query, axes.BATCH_LENGTH_HEADS_KV, self.mesh, rules)
-        key = sharding.constrain(key, axes.BATCH_LENGTH_KV_HEADS_KV, self.mesh, rules)
-        value = sharding.constrain(value, axes.BATCH_LENGTH_KV_HEADS_KV, self.mesh, rules)
+        query = constrain(query, axes.BATCH_LENGTH_HEADS_KV, self.mesh, rules)
+        key = constrain(key, axes.BATCH_LENGTH_KV_HEADS_KV, self.mesh, rules)
+        value = constrain(value, axes.BATCH_LENGTH_KV_HEADS_KV, self.mesh, rules)
         query = query * cfg.head_dim**-0.5
         batch, length, heads, head_dim = query.shape
         groups = heads // cfg.base_num_kv_heads
@@ -192,8 +202,9 @@ class MLP(nnx.Module):
     """SwiGLU: `(silu(x @ wi_0) * (x @ wi_1)) @ wo`."""
 
     def __init__(self, config: Config, mesh: Mesh, *, rngs: nnx.Rngs) -> None:
-        cfg = self.config = config
+        self.config = config
         self.mesh = mesh
+        cfg = self.config
         emb, mlp = cfg.base_emb_dim, cfg.base_mlp_dim
         self.wi_0 = DenseGeneral((emb,), (mlp,), axes.MLP_IN, cfg, rngs=rngs)
         self.wi_1 = DenseGeneral((emb,), (mlp,), axes.MLP_IN, cfg, rngs=rngs)
@@ -201,9 +212,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         hidden = jax.nn.silu(self.wi_0(x)) * self.wi_1(x)
-        hidden = sharding.constrain(
-            hidden, axes.BATCH_LENGTH_MLP, self.mesh, self.config.logical_axis_rules
-        )
+        hidden = constrain(hidden, axes.BATCH_LENGTH_MLP, self.mesh, self.config.logical_axis_rules)
         return self.wo(hidden)
 
 
@@ -225,8 +234,9 @@ class MoeBlock(nnx.Module):
     """
 
     def __init__(self, config: Config, mesh: Mesh, *, rngs: nnx.Rngs) -> None:
-        cfg = self.config = config
+        self.config = config
         self.mesh = mesh
+        cfg = self.config
         emb, mlp, experts = cfg.base_emb_dim, cfg.base_mlp_dim, cfg.num_experts
         self.gate = DenseGeneral((emb,), (experts,), axes.ROUTER, cfg, rngs=rngs)
         init = numerics.kernel_init(in_axis=1, out_axis=2, batch_axis=0)
@@ -245,20 +255,20 @@ class MoeBlock(nnx.Module):
         cfg = self.config
         rules, dtype, precision = cfg.logical_axis_rules, x.dtype, numerics.precision(cfg)
         # Routing runs on the tokens as the layer shards them (the expert axis splits them).
-        x = sharding.constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)
+        x = constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)
         probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)
         combine, routed = moe.route(probs, cfg.num_experts_per_tok)  # [b, t, E] each
-        x = sharding.constrain(x, axes.BATCH_NO_EXP_LENGTH_EMBED, self.mesh, rules)
+        x = constrain(x, axes.BATCH_NO_EXP_LENGTH_EMBED, self.mesh, rules)
         gate_proj = jnp.einsum(
             "btd,edf->btef", x, self.wi_0[...].astype(dtype), precision=precision
         )
         up_proj = jnp.einsum("btd,edf->btef", x, self.wi_1[...].astype(dtype), precision=precision)
         hidden = jax.nn.silu(gate_proj) * up_proj * combine[..., None].astype(dtype)
-        hidden = sharding.constrain(hidden, axes.BATCH_NO_EXP_LENGTH_EXP_MLP, self.mesh, rules)
+        hidden = constrain(hidden, axes.BATCH_NO_EXP_LENGTH_EXP_MLP, self.mesh, rules)
         y = jnp.einsum("btef,efd->btd", hidden, self.wo[...].astype(dtype), precision=precision)
         # Pinned, or XLA may gather the tokens over fsdp to meet wo's fsdp-split embed dim and
         # compute the output projection once per fsdp shard (measured: 1.29x the matmul work).
-        y = sharding.constrain(y, axes.BATCH_NO_EXP_LENGTH_EMBED, self.mesh, rules)
+        y = constrain(y, axes.BATCH_NO_EXP_LENGTH_EMBED, self.mesh, rules)
         return y, moe.load_balance_loss(probs, routed)
 
 
@@ -270,21 +280,25 @@ class DecoderLayer(nnx.Module):
     def __init__(self, config: Config, mesh: Mesh, *, rngs: nnx.Rngs) -> None:
         self.config = config
         self.mesh = mesh
-        self.pre_self_attention_layer_norm = RMSNorm(config, rngs=rngs)
-        self.self_attention = Attention(config, mesh, rngs=rngs)
-        self.post_self_attention_layer_norm = RMSNorm(config, rngs=rngs)
-        moe = config.num_experts > 1
-        self.mlp = MoeBlock(config, mesh, rngs=rngs) if moe else MLP(config, mesh, rngs=rngs)
+        cfg = self.config
+        self.pre_self_attention_layer_norm = RMSNorm(cfg, rngs=rngs)
+        self.self_attention = Attention(cfg, self.mesh, rngs=rngs)
+        self.post_self_attention_layer_norm = RMSNorm(cfg, rngs=rngs)
+        self.mlp = (
+            MoeBlock(cfg, self.mesh, rngs=rngs)
+            if cfg.num_experts > 1
+            else MLP(cfg, self.mesh, rngs=rngs)
+        )
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         rules = self.config.logical_axis_rules
         x = checkpoint_name(x, axes.DECODER_LAYER_INPUT)
-        x = sharding.constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)
+        x = constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)
         x = x + self.self_attention(self.pre_self_attention_layer_norm(x), positions)
         if self.config.num_experts > 1:
             mlp_out, aux = self.mlp(self.post_self_attention_layer_norm(x))
         else:
             mlp_out, aux = self.mlp(self.post_self_attention_layer_norm(x)), jnp.zeros(())
         x = x + mlp_out
-        x = sharding.constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)
+        x = constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)
         return x, aux

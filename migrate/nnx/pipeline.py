@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from migrate.common import axes, numerics, schedule, sharding
 from migrate.config.contract import Config
-from migrate.nnx.layers import DecoderLayer
+from migrate.nnx.layers import DecoderLayer, constrain
 
 
 def stack_modules(
@@ -43,20 +43,38 @@ def stack_modules(
     return create_stacked(rngs)
 
 
+def apply_layer(
+    layer: nnx.Module, x: jax.Array, positions: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """One decoder layer's `(x, aux)`: what `remat_layer` rematerialises."""
+    return layer(x, positions)
+
+
+def remat_layer(policy: Callable | None) -> Callable:
+    """`apply_layer` under `jax.checkpoint` with `policy` (None: `apply_layer` itself)."""
+    if policy is None:
+        return apply_layer
+    return nnx.remat(apply_layer, policy=policy, prevent_cse=False)
+
+
 def scan_layers(
-    layer: nnx.Module, x: jax.Array, positions: jax.Array, policy=None, trace: bool = False
+    layer: nnx.Module,
+    x: jax.Array,
+    positions: jax.Array,
+    policy: Callable | None = None,
+    trace: bool = False,
 ):
-    """Apply the stacked `layer` once per slice of its leading weight axis, in order:
-    `(x, aux)`, aux the layers' load-balancing losses summed (carried through the scan); with
-    `trace`, also every application's output, stacked (the drill-down compares them)."""
+    """Apply the stacked `layer` once per slice of its leading weight axis, in order, each
+    application rematerialised with `policy` (`remat_layer`): `(x, aux)`, aux the layers'
+    load-balancing losses summed (carried through the scan); with `trace`, also every
+    application's output, stacked (the drill-down compares them)."""
+    call = remat_layer(policy)
     graphdef, state = nnx.split(layer)
 
     def body(carry, layer_state):
-        y, aux = nnx.merge(graphdef, layer_state)(carry[0], positions)
+        y, aux = call(nnx.merge(graphdef, layer_state), carry[0], positions)
         return (y, carry[1] + aux), (y if trace else None)
 
-    if policy is not None:
-        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     (x, aux), outputs = jax.lax.scan(body, (x, jnp.zeros(())), state)
     return (x, aux, outputs) if trace else (x, aux)
 
@@ -73,16 +91,18 @@ class StageLayers(nnx.Module):
 
     def __init__(self, config: Config, mesh: Mesh, *, rngs: nnx.Rngs) -> None:
         self.config = config
-        if config.scan_layers_per_stage:
+        self.mesh = mesh
+        cfg = self.config
+        if cfg.scan_layers_per_stage:
             self.layers = stack_modules(
-                lambda r: DecoderLayer(config, mesh, rngs=r),
-                config.layers_per_stage,
+                lambda r: DecoderLayer(cfg, self.mesh, rngs=r),
+                cfg.layers_per_stage,
                 axes.LAYERS_PER_STAGE,
                 rngs,
             )
         else:
-            for slot in range(config.layers_per_stage):
-                setattr(self, f"layers_{slot}", DecoderLayer(config, mesh, rngs=rngs))
+            for slot in range(cfg.layers_per_stage):
+                setattr(self, f"layers_{slot}", DecoderLayer(cfg, self.mesh, rngs=rngs))
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """`(x, aux)`: aux the L layers' load-balancing losses summed."""
@@ -107,28 +127,32 @@ def stacked_stages(cfg: Config, mesh: Mesh, rngs: nnx.Rngs) -> StageLayers:
 
 
 class Pipeline(nnx.Module):
-    """The decoder layers as an S-stage circular pipeline over M microbatches.
+    """The decoder layers as an S-stage circular pipeline over M microbatches."""
 
-    `bubble_fill` is a test hook: the value that fills the loop buffers before any stage has
-    written them. NaN there must reach no output and no gradient.
-    """
-
-    def __init__(
-        self, config: Config, mesh: Mesh, bubble_fill: float = 0.0, *, rngs: nnx.Rngs
-    ) -> None:
+    def __init__(self, config: Config, mesh: Mesh, *, rngs: nnx.Rngs) -> None:
         self.config = config
         self.mesh = mesh
-        self.bubble_fill = bubble_fill
-        self.layers = stacked_stages(config, mesh, rngs)
+        cfg = self.config
+        self.layers = stacked_stages(cfg, self.mesh, rngs)
 
-    def __call__(self, inputs: jax.Array, positions: jax.Array, trace: bool = False):
+    def __call__(
+        self,
+        inputs: jax.Array,
+        positions: jax.Array,
+        bubble_fill: float | jax.Array = 0.0,
+        trace: bool = False,
+    ):
         """`[B, T, E] -> ([B, T, E], aux)`; with `trace`, also every iteration's stage outputs
         `[iterations, S, B/M, T, E]` (the drill-down compares them). `aux`: the layers'
-        load-balancing losses, summed over layers and averaged over the M microbatches."""
-        graphdef, weights = nnx.split(self.layers)
-        if self.config.pipeline_fsdp_ag_once:
+        load-balancing losses, summed over layers and averaged over the M microbatches.
+
+        `bubble_fill` fills the loop buffers before any stage has written them (a test hook:
+        NaN there must reach no output and no gradient)."""
+        cfg = self.config
+        stage, weights = nnx.split(self.layers)
+        if cfg.pipeline_fsdp_ag_once:
             weights = self.all_gather_over_fsdp(weights)
-        return self.run(graphdef, weights, inputs, positions, trace)
+        return self.run(stage, weights, inputs, positions, bubble_fill, trace)
 
     def all_gather_over_fsdp(self, weights: nnx.State) -> nnx.State:
         """Constrain the stage weights to their sharding without `fsdp`, once, before the loop."""
@@ -154,7 +178,7 @@ class Pipeline(nnx.Module):
             # Sliced while still split over fsdp, then gathered: left to choose, XLA gathers
             # all R repeats before the loop and slices them, as ag-once does.
             window = jax.lax.dynamic_slice_in_dim(variable[...], start, length, axis=0)
-            window = sharding.constrain(window, tuple(names), self.mesh, cfg.logical_axis_rules)
+            window = constrain(window, tuple(names), self.mesh, cfg.logical_axis_rules)
             spec = sharding.gathered_over_fsdp(tuple(names), self.mesh, cfg)
             return variable.replace(jax.lax.with_sharding_constraint(window, spec))
 
@@ -199,12 +223,13 @@ class Pipeline(nnx.Module):
             history = jnp.concatenate([history, drained])
         return loop_state, history
 
-    def run_stages(self, graphdef, weights, stage_inputs, stage_positions, repeat_ids):
+    def run_stages(self, stage, weights, stage_inputs, stage_positions, repeat_ids):
         """Every stage applies its layers (for its current repeat: `repeat_ids` index the
         leading axis of `weights`, all R repeats or a window of them) to its input, in parallel:
         (outputs `[S, ...]`, load-balancing losses `[S]`);
         on fsdp x tensor meshes with that repeat's weights gathered over `fsdp` for the visit
-        (`sharding.stage_weights_need_gathering`)."""
+        (`sharding.stage_weights_need_gathering`). `stage` is the module the weights are applied
+        with: an unbound `StageLayers` (Linen), the stacked stages' `GraphDef` (NNX)."""
         cfg = self.config
         stacked = 2 if cfg.num_repeats > 1 else 1  # [R,] S leading axes, gone inside one_stage
 
@@ -220,18 +245,26 @@ class Pipeline(nnx.Module):
                 stage_weights = jax.tree.map(
                     gathered, stage_weights, is_leaf=lambda x: isinstance(x, nnx.Variable)
                 )
-            return nnx.merge(graphdef, stage_weights)(x, pos)
+            return nnx.merge(stage, stage_weights)(x, pos)
 
         weight_axis = 1 if cfg.num_repeats > 1 else 0
         return jax.vmap(one_stage, in_axes=(weight_axis, 0, 0, 0), spmd_axis_name="stage")(
             weights, stage_inputs, stage_positions, repeat_ids
         )
 
-    def run(self, graphdef, weights, inputs: jax.Array, positions: jax.Array, trace: bool = False):
+    def run(
+        self,
+        stage,
+        weights,
+        inputs: jax.Array,
+        positions: jax.Array,
+        bubble_fill: float | jax.Array,
+        trace: bool,
+    ):
         """The iteration loop: `M*R + d*(S-1)` iterations of all stages, then reassembly."""
         cfg, mesh, rules = self.config, self.mesh, self.config.logical_axis_rules
         num_micro = cfg.num_microbatches
-        micro_inputs = sharding.constrain(
+        micro_inputs = constrain(
             schedule.split_microbatches(inputs, num_micro),
             axes.MICROBATCH_BATCH_LENGTH_EMBED,
             mesh,
@@ -239,19 +272,19 @@ class Pipeline(nnx.Module):
         )
         micro_positions = schedule.split_microbatches(positions, num_micro)
         stage_shape = (cfg.num_stages, *micro_inputs.shape[1:])
-        fill = jnp.asarray(self.bubble_fill, inputs.dtype)
+        fill = jnp.asarray(bubble_fill, inputs.dtype)
         loop_state = {
             "shift": jnp.full(stage_shape, fill),  # each stage's input for the next iteration
             "previous": jnp.full(stage_shape, fill),  # last iteration's rotated outputs (d=2)
             # Inputs, circular storage and finished outputs: stage 0's row, sharded over stages.
-            "store": sharding.constrain(
+            "store": constrain(
                 schedule.first_stage_store(micro_inputs, cfg.num_stages, fill),
                 axes.STAGE_MICROBATCH_BATCH_LENGTH_EMBED,
                 mesh,
                 rules,
             ),
             # Each stage's load-balancing losses, summed over the slots it worked (stage-local).
-            "aux": sharding.constrain(jnp.zeros(cfg.num_stages), axes.PER_STAGE, mesh, rules),
+            "aux": constrain(jnp.zeros(cfg.num_stages), axes.PER_STAGE, mesh, rules),
         }
 
         def iteration(window, first_repeat, state, t):
@@ -260,19 +293,13 @@ class Pipeline(nnx.Module):
             # Idle slots compute on zeros: NaN x 0 in the backward pass would poison gradients.
             stage_inputs = jnp.where(valid[:, None, None, None], stage_inputs, 0)
             stage_inputs = checkpoint_name(stage_inputs, axes.ITERATION_INPUT)
-            stage_inputs = sharding.constrain(
-                stage_inputs, axes.STAGE_BATCH_LENGTH_EMBED, mesh, rules
-            )
+            stage_inputs = constrain(stage_inputs, axes.STAGE_BATCH_LENGTH_EMBED, mesh, rules)
             stage_outputs, stage_aux = self.run_stages(
-                graphdef,
-                window,
-                stage_inputs,
-                micro_positions[micro_ids],
-                repeat_ids - first_repeat,
+                stage, window, stage_inputs, micro_positions[micro_ids], repeat_ids - first_repeat
             )
             # The schedule's one collective per iteration: outputs move one stage right. The
             # rotation wraps the last stage's output around to stage 0, which stores it locally.
-            rotated = sharding.constrain(
+            rotated = constrain(
                 rotate_stages(stage_outputs), axes.STAGE_BATCH_LENGTH_EMBED, mesh, rules
             )
             new_state = {
@@ -281,7 +308,7 @@ class Pipeline(nnx.Module):
                 "store": schedule.store_finished(cfg, state["store"], rotated, t),
                 # Bubbles count nothing: a select, so that NaN there cannot leak (NaN x 0 is NaN).
                 # Pinned to the stages: left to XLA, it gathers the [S] sums over stages.
-                "aux": sharding.constrain(
+                "aux": constrain(
                     state["aux"] + jnp.where(valid, stage_aux, 0.0), axes.PER_STAGE, mesh, rules
                 ),
             }
@@ -305,7 +332,7 @@ class Pipeline(nnx.Module):
         # Stage 0's row holds the finished outputs: broadcast to every stage once, after the loop
         # (pinned: left to XLA, the slice of the stage-split store reshards to the logits' batch
         # split by replicating the whole store, "No involuntary rematerialisation").
-        finished = sharding.constrain(
+        finished = constrain(
             loop_state["store"][0], axes.MICROBATCH_BATCH_LENGTH_EMBED, mesh, rules
         )
         outputs = schedule.merge_microbatches(finished)

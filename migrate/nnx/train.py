@@ -21,33 +21,31 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from migrate.common import optim
 from migrate.config.contract import Config
+from migrate.nnx.decoder import Decoder, training_loss
 from migrate.nnx.decoder import param_shardings as param_shardings_of
-from migrate.nnx.decoder import training_loss
 
 
-def make_loss_fn(graphdef: nnx.GraphDef) -> Callable:
-    """`(params, batch) -> (loss, (logits, aux))` for the decoder that `graphdef` describes:
-    the loss the optimizer sees (`training_loss`) and the load-balancing loss aux in it. A
-    `bubble_fill` passed to the loss (an array) overrides the constant at run time."""
+def make_loss_fn(cfg: Config, model: nnx.GraphDef[Decoder]) -> Callable:
+    """`(params, batch, bubble_fill=0.0) -> (loss, (logits, aux))` for `model`, the decoder of
+    `cfg`: the loss the optimizer sees (`training_loss`) and the load-balancing loss aux in it;
+    `bubble_fill` (a test hook, `Pipeline.__call__`) goes to the decoder's call."""
 
-    def loss_fn(params, batch, bubble_fill=None):
-        model = nnx.merge(graphdef, params)
-        if bubble_fill is not None and model.pipelined:
-            model.pipeline.bubble_fill = bubble_fill
-        logits, aux = model(batch["inputs"])
-        return training_loss(model.config, logits, aux, batch["targets"]), (logits, aux)
+    def loss_fn(params, batch, bubble_fill: float | jax.Array = 0.0):
+        logits, aux = nnx.merge(model, params)(batch["inputs"], bubble_fill)
+        return training_loss(cfg, logits, aux, batch["targets"]), (logits, aux)
 
     return loss_fn
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> Callable:
+def make_train_step(
+    cfg: Config, model: nnx.GraphDef[Decoder], tx: optax.GradientTransformation
+) -> Callable:
     """`(params, opt_state, batch) -> (params, opt_state, metrics)`, pure; jit it."""
-    loss_fn = make_loss_fn(graphdef)
+    loss_fn = make_loss_fn(cfg, model)
 
     def train_step(params, opt_state, batch):
         (loss, (_, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
-        cfg = nnx.merge(graphdef, params).config  # static: the metrics it names
         params = optax.apply_updates(params, updates)
         return params, opt_state, step_metrics(cfg, loss, aux, grads)
 
@@ -63,9 +61,9 @@ def step_metrics(cfg: Config, loss: jax.Array, aux: jax.Array, grads: Any) -> di
     return metrics
 
 
-def make_eval_step(graphdef: nnx.GraphDef) -> Callable:
+def make_eval_step(cfg: Config, model: nnx.GraphDef[Decoder]) -> Callable:
     """`(params, batch) -> loss`, forward only."""
-    loss_fn = make_loss_fn(graphdef)
+    loss_fn = make_loss_fn(cfg, model)
     return lambda params, batch: loss_fn(params, batch)[0]
 
 

@@ -101,7 +101,7 @@ def with_grad_norm(loss_fn: Callable) -> Callable:
     scalar, `fill_value`) fills the pipeline's unwritten buffer slots: an argument, so that the
     `bubbles` check's NaN runs the forward program every other check runs."""
 
-    def step(params, batch, bubble_fill=None):
+    def step(params, batch, bubble_fill=0.0):
         (loss, (logits, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             params, batch, bubble_fill
         )
@@ -124,7 +124,8 @@ def linen_step(cfg: Config, mesh: Mesh, use_pipeline: bool | None = None) -> Cal
 
 @functools.cache
 def _linen_step(cfg: Config, mesh: Mesh, use_pipeline: bool | None) -> Callable:
-    return jax.jit(with_grad_norm(linen_train.make_loss_fn(cfg, mesh, use_pipeline)))
+    model = linen_decoder.Decoder(cfg, mesh, use_pipeline)
+    return jax.jit(with_grad_norm(linen_train.make_loss_fn(cfg, model)))
 
 
 def linen_train_fns(cfg: Config, mesh: Mesh) -> tuple[Callable, Callable]:
@@ -134,15 +135,16 @@ def linen_train_fns(cfg: Config, mesh: Mesh) -> tuple[Callable, Callable]:
 
 @functools.cache
 def _linen_train_fns(cfg: Config, mesh: Mesh) -> tuple[Callable, Callable]:
+    model = linen_decoder.Decoder(cfg, mesh)
     tx = optim.make_optimizer(cfg)
     state_shardings = linen_train_shardings(cfg, mesh)
     batch_sharding = sharding.batch_sharding(cfg, mesh)
     return (
         linen_train.jit_train_step(
-            linen_train.make_train_step(cfg, mesh, tx), state_shardings, batch_sharding
+            linen_train.make_train_step(cfg, model, tx), state_shardings, batch_sharding
         ),
         linen_train.jit_eval_step(
-            linen_train.make_eval_step(cfg, mesh), state_shardings[0], batch_sharding
+            linen_train.make_eval_step(cfg, model), state_shardings[0], batch_sharding
         ),
     )
 
@@ -157,10 +159,7 @@ def linen_train_shardings(cfg: Config, mesh: Mesh) -> tuple[Any, Any]:
 @functools.cache
 def linen_initial_variables(cfg: Config, mesh: Mesh, use_pipeline: bool | None = None):
     """Boxed variables from the Linen decoder's own init, placed on the mesh (cached)."""
-    cfg = schedule_free(cfg)
-    tokens = np.zeros((cfg.global_batch_size, cfg.max_target_length), np.int32)
-    model = linen_decoder.Decoder(cfg, mesh, use_pipeline=use_pipeline)
-    return linen_decoder.init_variables(model, tokens)
+    return linen_decoder.init_model(schedule_free(cfg), mesh, use_pipeline=use_pipeline)
 
 
 def linen_abstract_variables(cfg: Config, mesh: Mesh, use_pipeline: bool | None = None):
@@ -211,31 +210,29 @@ def aux_loss(cfg: Config, aux: Any) -> dict[str, Any]:
 
 
 @nnx_cache
-def _nnx_abstract(
-    cfg: Config, mesh: Mesh, use_pipeline: bool | None, bubble_fill: float, mode: tuple[bool, bool]
-):
+def _nnx_abstract(cfg: Config, mesh: Mesh, use_pipeline: bool | None, mode: tuple[bool, bool]):
     del mode  # part of the cache key only
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(
-            lambda: nnx_decoder.Decoder(cfg, mesh, use_pipeline, bubble_fill, rngs=nnx.Rngs(0))
+            lambda: nnx_decoder.Decoder(cfg, mesh, use_pipeline, rngs=nnx.Rngs(0))
         )
     return nnx.split(abstract)
 
 
 def nnx_abstract(
-    cfg: Config, mesh: Mesh, use_pipeline: bool | None = None, bubble_fill: float = 0.0
+    cfg: Config, mesh: Mesh, use_pipeline: bool | None = None
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, abstract state) of the NNX decoder, without allocating weights (one trace
     per computation: the seed and name change no shape)."""
-    return _nnx_abstract(compute_config(cfg), mesh, use_pipeline, bubble_fill, nnx_mode())
+    return _nnx_abstract(compute_config(cfg), mesh, use_pipeline, nnx_mode())
 
 
 @nnx_cache
 def _nnx_step(
     cfg: Config, mesh: Mesh, use_pipeline: bool | None, mode: tuple[bool, bool]
 ) -> Callable:
-    graphdef, _ = _nnx_abstract(cfg, mesh, use_pipeline, 0.0, mode)
-    return jax.jit(with_grad_norm(nnx_train.make_loss_fn(graphdef)))
+    graphdef, _ = _nnx_abstract(cfg, mesh, use_pipeline, mode)
+    return jax.jit(with_grad_norm(nnx_train.make_loss_fn(cfg, graphdef)))
 
 
 def nnx_step(cfg: Config, mesh: Mesh, use_pipeline: bool | None = None) -> Callable:
@@ -251,16 +248,16 @@ def nnx_train_fns(cfg: Config, mesh: Mesh) -> tuple[Callable, Callable]:
 
 @nnx_cache
 def _nnx_train_fns(cfg: Config, mesh: Mesh, mode: tuple[bool, bool]) -> tuple[Callable, Callable]:
-    graphdef, abstract = _nnx_abstract(cfg, mesh, None, 0.0, mode)
+    graphdef, abstract = _nnx_abstract(cfg, mesh, None, mode)
     tx = optim.make_optimizer(cfg)
     state_shardings = nnx_train.train_state_shardings(abstract, mesh, cfg, tx)
     batch_sharding = sharding.batch_sharding(cfg, mesh)
     return (
         nnx_train.jit_train_step(
-            nnx_train.make_train_step(graphdef, tx), state_shardings, batch_sharding
+            nnx_train.make_train_step(cfg, graphdef, tx), state_shardings, batch_sharding
         ),
         nnx_train.jit_eval_step(
-            nnx_train.make_eval_step(graphdef), state_shardings[0], batch_sharding
+            nnx_train.make_eval_step(cfg, graphdef), state_shardings[0], batch_sharding
         ),
     )
 

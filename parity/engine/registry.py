@@ -333,7 +333,5 @@ def help_lines(front: Front) -> list[tuple[str, str]]:
 def markdown_table(front: Front) -> str:
     """The README's table of `front`'s checks: what each compares, and when it passes."""
     rows = ["| check | compares | tolerance |", "| --- | --- | --- |"]
-    rows += [
-        f"| `{c.name}` | {c.compares} | {c.passes} |" for c in REGISTRY if c.runs_on(front)
-    ]
+    rows += [f"| `{c.name}` | {c.compares} | {c.passes} |" for c in REGISTRY if c.runs_on(front)]
     return "\n".join(rows)
