@@ -57,9 +57,10 @@ install: $(VENV)/.installed
 
 # On the default stack the MaxText gate's environments are built first (a failure to build them
 # is reported by the MaxText tests, which then skip saying why).
+# The slowest tests are listed at the end (where the suite's time goes: docs/performance.md).
 test: install
 	@if [ "$(PYVER)" = "3.12" ]; then $(MAKE) --no-print-directory maxtext-envs || echo "MaxText environments not built"; fi
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist=worksteal $(LAYER) $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist=worksteal --durations=15 $(LAYER) $(PYTEST_ARGS)
 
 # The tests not marked `slow`, which start no end-to-end run (no `parity` or `migrate` command,
 # no worker process, no compile of the whole decoder): the loop while editing. tests/conftest.py
