@@ -404,7 +404,7 @@ def _run_maxtext(opts: RunOptions, positional: Sequence[str]) -> int:
     if opts.golden is not None or opts.update_golden:
         return usage_error(
             "--golden/--update_golden: golden sharding reports are the twins' (parity CONFIG), "
-            "not with `parity maxtext`"
+            "not with --maxtext (`parity maxtext`)"
         )
     path = resolve(positional[0], "maxtext")
     config = gate_config.load(path, positional[1:], opts.topology, opts.num_slices)

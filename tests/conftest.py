@@ -55,6 +55,14 @@ def tiny(name: str, *overrides: str) -> Config:
     return load_config(CONFIG_DIR / f"{name}.yml", overrides)
 
 
+def session_root(tmp_path_factory) -> Path:
+    """A folder every pytest-xdist worker of this session shares (the session's temporary
+    root), for what one worker builds under a lock and the others reuse; without xdist, this
+    session's own (a parent shared across sessions would serve a stale build)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def config_dir() -> Path:
     return CONFIG_DIR

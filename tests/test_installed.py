@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import session_root
 
 pytestmark = [pytest.mark.slow, pytest.mark.compat]  # installed under each stack's pins
 
@@ -76,9 +77,23 @@ def run(
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
-    """A fresh venv with the wheel of this checkout (and pytest) installed under the pins."""
-    where = tmp_path_factory.mktemp("installed")
-    wheels, venv, source = where / "wheels", where / "venv", where / "source"
+    """A fresh venv with the wheel of this checkout (and pytest) installed under the pins: built
+    once per session, whatever the pytest-xdist workers (the first to take the lock builds it
+    in the session's shared temporary root; the others use it)."""
+    from filelock import FileLock
+
+    where = session_root(tmp_path_factory) / "installed"
+    venv, done = where / "venv", where / "built"
+    with FileLock(f"{where}.lock"):
+        if not done.exists():
+            shutil.rmtree(where, ignore_errors=True)  # a build that did not finish
+            _build(where, venv)
+            done.touch()
+    return venv
+
+
+def _build(where: Path, venv: Path) -> None:
+    wheels, source = where / "wheels", where / "source"
     # Built from a copy: an in-tree build would leave build/ and egg-info in the checkout.
     generated = (".git", ".venv*", ".jax_cache", "build", "*.egg-info", "__pycache__")
     shutil.copytree(REPO, source, symlinks=True, ignore=shutil.ignore_patterns(*generated))
@@ -98,7 +113,6 @@ def installed(tmp_path_factory) -> Path:
     (wheel,) = wheels.glob("*.whl")
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-c", str(PINS)]
     subprocess.run([*pip, str(wheel), "pytest"], check=True, capture_output=True, timeout=900)
-    return venv
 
 
 def test_a_user_config_without_a_base_beside_it_runs_on_the_shipped_base(installed, tmp_path):

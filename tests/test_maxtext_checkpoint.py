@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import session_root
 from hostile import CONFIGS, TINY
 
 from migrate.checkpoints import maxtext_layouts
@@ -46,7 +47,7 @@ def crossed(tmp_path_factory):
     from parity.maxtext import checkpoint_gate
     from parity.remote.environments import Environment
 
-    shared = tmp_path_factory.getbasetemp().parent / "maxtext-checkpoint"
+    shared = session_root(tmp_path_factory) / "maxtext-checkpoint"
     directory, saved = shared / "run", shared / "result.json"
     with FileLock(str(shared) + ".lock"):
         if not saved.exists():
