@@ -8,7 +8,8 @@
     migrate compare --config=CONFIG A B [key=value ...]  (any two: twins, MaxText 0.2.3/0.2.5)
     migrate init --config=CONFIG --framework=linen|nnx DST [key=value ...]
             [--layout=pipeline|reference] [--force]
-    (either: --verbose prints the traceback of an internal error)
+    (either: --verbose prints the traceback of an internal error; COMMAND --help: its help;
+    --version: the versions)
 
 `key=value` overrides use MaxText key names. Layout keys among them (ici_pipeline_parallelism,
 dcn_pipeline_parallelism, num_layers_per_pipeline_stage, num_pipeline_repeats,
@@ -31,6 +32,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -324,18 +326,57 @@ EXIT_STATUSES = (
 )
 
 
-def help_text() -> str:
-    """`migrate --help`: usage, the commands, every flag with its default, exit statuses."""
+# The flags each command reads (every flag is some command's: tests/test_migrate_cli.py).
+COMMAND_FLAGS = {
+    "convert": (
+        "config", "from", "to", "layout", "dtype", "force", "verify", "verify_forward",
+        "memory_check", "verbose",
+    ),
+    "init": ("config", "framework", "layout", "force", "memory_check", "verbose"),
+    "compare": ("config", "verbose"),
+}  # fmt: skip
+
+
+def command_usage(command: str) -> str:
+    """The usage lines of `command` (each with its continuation lines) from `USAGE`."""
+    entries: list[list[str]] = []
+    for line in USAGE.splitlines():
+        if line.startswith("    migrate "):
+            entries.append([line])
+        elif line.startswith("            ") and entries:
+            entries[-1].append(line)
+    return "\n".join(line for entry in entries if entry[0].split()[1] == command for line in entry)
+
+
+def help_text(command: str | None = None) -> str:
+    """`migrate --help`: usage, the commands, every flag with its default, exit statuses;
+    `migrate COMMAND --help`: that command's usage, what it does and its flags."""
     title = __doc__.split("\n\n")[0]
+    if command is None:
+        return cli_help.help_text(
+            title, USAGE, [("commands", COMMAND_HELP)], FLAGS, list(FLAGS), EXIT_STATUSES
+        )
+    does = [(name, text) for name, text in COMMAND_HELP if name == command]
     return cli_help.help_text(
-        title, USAGE, [("commands", COMMAND_HELP)], FLAGS, list(FLAGS), EXIT_STATUSES
+        textwrap.fill(f"migrate {command}: {does[0][1]}", cli_help.WIDTH),
+        command_usage(command),
+        [],
+        FLAGS,
+        COMMAND_FLAGS[command],
+        EXIT_STATUSES,
     )
 
 
 def _parse_flags(argv: list[str]) -> list[str] | int:
-    """Flags into `FLAGS`; a bad flag is a usage error (one line, exit 2)."""
+    """Flags into `FLAGS`; a bad flag is a usage error (one line, exit 2). `--help` prints the
+    help of the command given before it (`migrate convert --help`), else the whole page;
+    `--version` the versions."""
     if cli_help.wants_help(argv) or "--helpfull" in argv[1:]:
-        print(help_text())
+        commands = [arg for arg in argv[1:] if arg in COMMANDS]
+        print(help_text(commands[0] if commands else None))
+        return EXIT_OK
+    if cli_help.wants_version(argv):
+        print(cli_help.version_text("migrate"))
         return EXIT_OK
     try:
         return FLAGS(argv)

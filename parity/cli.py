@@ -1,7 +1,8 @@
 """The `parity` command: does the NNX twin compute and shard exactly what Linen does?
 
     parity CONFIG [key=value ...] [--checks=a,b] [--steps=N] [--json=PATH] [--junit=PATH]
-                  [--plot=PATH] [--golden=DIR] [--update_golden] [--nomemory_check] [--verbose]
+                  [--plot=PATH] [--golden=DIR [--update_golden] [--[no]require_golden]]
+                  [--nomemory_check] [--verbose] [--version]
                   [--num_processes=N [--timeout_s=S] | --coordinator_address=H:P --process_id=I]
                   [--init_timeout_s=S] [--checkpoint=DIR] [--compilation_cache_dir=DIR] [--dry_run]
                   [--linen_python=PY] [--nnx_python=PY] [--linen_path=DIR] [--nnx_path=DIR]
@@ -16,8 +17,8 @@ Longer than 500 lines: the front door is one job (the flags, read once; both mod
 before JAX; the run of each mode), and every line past it would move absl below the door.
 
 Everything that needs no JAX is validated first: the config (bounds), the checks, the
-multi-process flags, the output paths (`--json/--junit/--plot/--golden`, and an existing golden
-file is read), the work of unrolled loops, and the memory the run needs at least. JAX is
+multi-process flags, the output paths and the golden file (`parity.run_inputs`), the work of
+unrolled loops, and the memory the run needs at least. JAX is
 imported only then, after the simulated CPU devices for the config's mesh were requested.
 """
 
@@ -27,22 +28,23 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from absl import app, flags, logging
 
 from migrate import errors
 from migrate.checkpoints import meta
-from migrate.config.bounds import MAX_UNROLLED_LAYERS
-from migrate.config.contract import Config
-from migrate.config.loading import base_config_path, load_config, parse_overrides, resolve
+from migrate.config.loading import base_config_path, load_config, resolve
 from migrate.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_USAGE, BadInput
 from migrate.runtime import cli_help, cli_support, memory
 from migrate.runtime.devices import ensure_simulated_devices
+from parity import run_inputs  # no JAX
 from parity.engine import registry  # no JAX
 from parity.engine.registry import Front, Need
 from parity.multiprocess import coordinator  # no JAX
 from parity.remote import environments as remote_environments  # no JAX
-from parity.reports.outputs import Outputs  # no JAX
+from parity.reports import report, run_facts  # no JAX
+from parity.reports.outputs import Outputs
 from parity.reports.progress import plan, progress, workers_line
 from parity.run_options import Mode, RunOptions
 
@@ -64,15 +66,28 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_string("json", None, "Write the JSON report here.")
 flags.DEFINE_string("junit", None, "Write a JUnit XML report here (one testcase per check).")
-flags.DEFINE_string("plot", None, "Write a PNG of the train check's per-step errors here.")
+flags.DEFINE_string(
+    "plot",
+    None,
+    "Write the train check's per-step losses and errors here, as the image its extension names: "
+    ".png (or none), .jpg/.jpeg, .svg, .pdf; any other is refused. Needs the train check.",
+)
 flags.DEFINE_string(
     "golden",
     None,
     "Directory of golden sharding reports: compare with "
-    "<DIR>/<model_name>.sharding.json (written when missing; the model name made a safe file "
-    "name). The twins' only: refused with --maxtext.",
+    "<DIR>/<model_name>.sharding.json (the model name made a safe file name; a missing one is "
+    "written, said in a progress line and the check's note, unless --require_golden). The "
+    "twins' only: refused with --maxtext.",
 )
 flags.DEFINE_boolean("update_golden", False, "Rewrite the golden sharding report.")
+flags.DEFINE_boolean(
+    "require_golden",
+    None,
+    "A missing golden file is bad input (exit 2) instead of written. Default: on when the "
+    "environment sets CI=true (a wrong --golden path in CI must not pass); --norequire_golden "
+    "writes it there too.",
+)
 flags.DEFINE_string(
     "compilation_cache_dir",
     os.environ.get(
@@ -190,6 +205,7 @@ WORKER_FLAGS = (
     "plot",
     "golden",
     "update_golden",
+    "require_golden",
     "compilation_cache_dir",
     "num_processes",
     "init_timeout_s",
@@ -232,51 +248,6 @@ def options(positional: list[str]) -> tuple[RunOptions, list[str]]:
     return RunOptions.of(values, given, mode), positional
 
 
-def _select_checks(options: RunOptions, front: Front) -> list[str] | str:
-    """The checks named by `--checks` (any the registry knows: `runnable` says which the front
-    end runs), or the front end's defaults; a string says what is wrong."""
-    known = [c.name for c in registry.REGISTRY if c.forms.keys() - {Front.MODULES}]
-    if options.checks == ("all",):
-        return list(registry.names(front))
-    if options.checks is not None and not any(options.checks):  # `--checks=` or `--checks=,`
-        return f"--checks: no checks selected; known checks: {', '.join(known)}, all"
-    selected = list(options.checks or registry.defaults(front))
-    unknown = [c for c in selected if c not in known]
-    if unknown:
-        return f"unknown checks {unknown}; known: {', '.join(known)}"
-    return selected
-
-
-def _outputs(options: RunOptions, model_name: str) -> Outputs:
-    return Outputs(
-        json=options.json,
-        junit=options.junit,
-        plot=options.plot,
-        golden=options.golden,
-        update_golden=options.update_golden,
-        model_name=model_name,
-    )
-
-
-def _check_work(options: RunOptions, cfg: Config, selected: Sequence[str]) -> None:
-    """Bounds on what the selected checks would trace or allocate, before JAX."""
-    if "efficiency" in selected and cfg.using_pipeline:
-        # The efficiency check traces both sides unrolled: every pipeline iteration's L
-        # layers, and the N layers of the reference.
-        unrolled = max(cfg.num_iterations * cfg.layers_per_stage, cfg.base_num_decoder_layers)
-        if unrolled > MAX_UNROLLED_LAYERS:
-            raise BadInput(
-                f"--checks=efficiency: traces {unrolled} layer applications unrolled (pipeline "
-                f"iterations {cfg.num_iterations} x L={cfg.layers_per_stage}, or "
-                f"N={cfg.base_num_decoder_layers}); at most {MAX_UNROLLED_LAYERS}"
-            )
-    abstract = registry.needing(Need.ABSTRACT, selected)
-    allocating = [c for c in selected if c not in abstract]
-    if allocating and options.memory_check:
-        share = 1 / options.num_processes if options.process_id is not None else 1.0
-        memory.check_fits(memory.estimate(cfg, copies=2), share, f"--checks={','.join(allocating)}")
-
-
 def run(argv: Sequence[str]) -> int:
     """The command body; returns the exit status. Bad input anywhere gives a one-line message
     and EXIT_USAGE; other exceptions reach `cli_support.guarded` (in `main`)."""
@@ -297,18 +268,22 @@ def _run(argv: Sequence[str]) -> int:
         return _run_maxtext(opts, positional)
     if opts.present("against"):
         return usage_error("--against: only with --maxtext (`parity maxtext CONFIG`)")
-    stored = None
+    stored, adjusted = None, []
     path = resolve(positional[0])  # a shipped config's name: its file, for workers too
     if opts.checkpoint is None:
         cfg = load_config(path, positional[1:])
         progress(f"config {path} over {base_config_path(path)}")
+        weights = {"source": "init", "seed": cfg.seed}
     else:  # overrides and the checkpoint's layout applied as `migrate` applies them
         if opts.num_processes > 1:
             return usage_error("--checkpoint runs in one process (--num_processes=1)")
         stored = meta.read_meta(opts.checkpoint)  # validated before its keys are used
-        changes = parse_overrides(positional[1:])
-        cfg = meta.stored_config(stored, load_config(path), changes)
-    selected = _select_checks(opts, Front.TWINS)
+        cfg, adjusted = run_inputs.checkpoint_config(path, positional[1:], stored)
+        weights = run_inputs.checkpoint_weights(opts.checkpoint, stored)
+    facts = run_facts.twins_facts(
+        path, base_config_path(path), positional[1:], cfg, weights, adjusted
+    )
+    selected = run_inputs.select_checks(opts, Front.TWINS)
     if isinstance(selected, str):
         return usage_error(selected)
     if not_here := [c for c in selected if not registry.get(c).runs_on(Front.TWINS)]:
@@ -330,9 +305,10 @@ def _run(argv: Sequence[str]) -> int:
 
     elsewhere = environments is not None or processes > 1
     target = topologies.twins_target(cfg, selected, elsewhere, opts.topology, opts.num_slices)
-    _check_work(opts, cfg, selected)
+    run_inputs.check_work(opts, cfg, selected)
     reports = opts.process_id in (None, 0)  # only process 0 writes reports
-    outputs = _outputs(opts, cfg.model_name) if reports else None  # creates report folders
+    # creates report folders
+    outputs = run_inputs.outputs(opts, cfg.model_name, selected) if reports else None
     if opts.dry_run:
         on = f"; compile for {target.describe()}" if target is not None else ""
         print(f"{plan(cfg, selected, processes)}{on}; memory {memory.estimate(cfg).describe()}")
@@ -353,7 +329,6 @@ def _run(argv: Sequence[str]) -> int:
     from parity.decoder.session import DecoderPair
     from parity.engine import compiles, run_loop
     from parity.engine.result import EXIT_STATUS
-    from parity.reports import report
 
     compiles.use_compilation_cache(opts.compilation_cache_dir)
     compiles.echo_partitioner_warnings(opts.verbose)
@@ -370,8 +345,11 @@ def _run(argv: Sequence[str]) -> int:
 
         spec = train_state.Spec(stored["framework"], stored["layout"], cfg)
         state = checkpoint_io.restore(opts.checkpoint, spec, pair.mesh, stored)
-        pair.use_weights(spec.framework, state.params)
-        progress(f"weights from {opts.checkpoint}: {spec.describe()}, step {state.step}")
+        pair.use_weights(spec.framework, state.params, label="checkpoint")
+        progress(
+            f"weights from {opts.checkpoint}: {spec.describe()}, step {state.step} (records "
+            "name them checkpoint/...)"
+        )
     progress(plan(cfg, selected, processes))
     main = distributed.is_main()  # only process 0 prints the table and writes reports
     golden = []
@@ -389,9 +367,7 @@ def _run(argv: Sequence[str]) -> int:
             pair.workers.close()
     status = max(EXIT_STATUS[r.status] for r in results)
     if main:
-        report.render_table(results, cfg.model_name, costs=costs)
-        if outputs is not None:
-            status = max(status, outputs.write(results, cfg.model_name, costs))
+        _report(results, cfg.model_name, costs, facts, outputs, {})
     return distributed.worst_status(status)
 
 
@@ -414,7 +390,7 @@ def _run_maxtext(opts: RunOptions, positional: Sequence[str]) -> int:
         front = Front.MAXTEXT_SLICE
     else:
         front = Front.MAXTEXT_TWIN if against_twin else Front.MAXTEXT
-    selected = _select_checks(opts, Front.MAXTEXT)  # `--checks=` (empty) is refused too
+    selected = run_inputs.select_checks(opts, Front.MAXTEXT)  # `--checks=` refused too
     if isinstance(selected, str):
         return usage_error(selected)
     target = gate_config.tpu_target(config, selected, opts.topology, opts.num_slices)
@@ -437,7 +413,7 @@ def _run_maxtext(opts: RunOptions, positional: Sequence[str]) -> int:
     environments = gate_config.environments(opts)
     if target is not None:
         gate_config.check_tpu_environments(environments)
-    outputs = _outputs(opts, config.model_name)
+    outputs = run_inputs.outputs(opts, config.model_name, selected)
     if opts.dry_run and target is not None:
         on = f"each release's train_compile for {target.describe()}"
         print(f"{config.describe()}; checks: compile, {on}")
@@ -465,7 +441,6 @@ def _run_maxtext(opts: RunOptions, positional: Sequence[str]) -> int:
     from parity.engine import compiles  # JAX starts here
     from parity.engine.result import EXIT_STATUS
     from parity.maxtext import release_pair
-    from parity.reports import report
 
     compiles.use_compilation_cache(opts.compilation_cache_dir)  # the workers compile through it
     if target is not None:
@@ -480,10 +455,28 @@ def _run_maxtext(opts: RunOptions, positional: Sequence[str]) -> int:
         results, costs, sides = release_pair.run_gate(
             config, environments, selected, opts.steps, checkpoint_steps
         )
-    report.render_table(results, config.model_name, costs=costs)
     status = max(EXIT_STATUS[r.status] for r in results)
     extra = {"sides": sides, "mesh": config.mesh, "mesh_filled": list(config.filled)}
-    return max(status, outputs.write(results, config.model_name, costs, extra))
+    facts = run_facts.maxtext_facts(path, base_config_path(path, "maxtext"), positional[1:], config)
+    return max(status, _report(results, config.model_name, costs, facts, outputs, extra))
+
+
+def _report(
+    results: Sequence[Any],
+    name: str,
+    costs: Sequence[dict[str, Any]],
+    facts: run_facts.RunFacts,
+    outputs: Outputs | None,
+    extra: dict[str, Any],
+) -> int:
+    """The verdict table, the report files (`outputs`: None writes none), then the verdict
+    line with the status of the reports; the reports' exit status."""
+    report.render_table(results, facts.title(name), costs=costs, verdict=False)
+    written = errors.EXIT_PASS
+    if outputs is not None:
+        written = outputs.write(results, name, costs, {**extra, "run": facts.as_json()})
+    print(report.verdict_line(results, written), flush=True)
+    return written
 
 
 def main() -> None:
@@ -523,10 +516,14 @@ def help_text() -> str:
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-    """absl's parser, but a bad flag exits 2 (usage error) with a one-line message, and
-    `--help` prints this command's own page (absl's lists the flags of the script wrapper)."""
+    """absl's parser, but a bad flag exits 2 (usage error) with a one-line message, `--help`
+    prints this command's own page (absl's lists the flags of the script wrapper), and
+    `--version` the versions."""
     if cli_help.wants_help(argv):
         print(help_text())
+        sys.exit(EXIT_PASS)
+    if cli_help.wants_version(argv):
+        print(cli_help.version_text("parity"))
         sys.exit(EXIT_PASS)
     try:
         return FLAGS(argv)

@@ -46,8 +46,9 @@ from parity.engine.programs import PROGRAM_PRIMITIVES, count_primitives
 from parity.engine.registry import Check, Front, Need
 from parity.engine.result import EXIT_STATUS, CheckResult, errored, skipped
 from parity.engine.side import Run
-from parity.module_pair import order, pair_args
+from parity.module_pair import diagnosis, order, pair_args
 from parity.module_pair.calls import DEFAULT_COLLECTIONS, Call, Randomness, is_float, named
+from parity.module_pair.conversion import Conversion
 from parity.module_pair.modules import LinenModuleSide, LossFn, NNXModuleSide, mean_square_loss
 from parity.module_pair.pair_args import PairArgumentError
 from parity.module_pair.renames import nnx_leaves
@@ -85,6 +86,7 @@ class ModulePair(Pair):
         super().__init__(linen, nnx_side, tolerance)
         self.rules, self.mesh = rules, mesh
         self.calls = linen.calls
+        nnx_side.linen_target = lambda: linen._target
 
     @functools.cached_property
     def _rank(self) -> order.ExecutionRank:
@@ -97,6 +99,20 @@ class ModulePair(Pair):
     def module_of(self, tensor: str) -> tuple[str, ...] | None:
         """The Linen module path a record's tensor names (`block_1/attn/key`), or None."""
         return self._rank.module_of(tensor)
+
+    @functools.cached_property
+    def _weight_modules(self) -> tuple[frozenset[Path], frozenset[Path]]:
+        """Every module path holding a variable, on each side (Linen's naming)."""
+
+        def modules(leaves: Mapping[Path, Any]) -> frozenset[Path]:
+            return frozenset(path[1:n] for path in leaves for n in range(2, len(path)))
+
+        return modules(self.linen.leaf_shapes()), modules(self.nnx.leaf_shapes())
+
+    def called_by_linen_only(self, site: str) -> bool:
+        module = tuple(site.split("/"))
+        linen, nnx = self._weight_modules
+        return module in linen and module in nnx
 
     def batch(self, step: int = 0, split: str = "train") -> Any:
         """Each side trains and evaluates on its own calls (their arguments can differ)."""
@@ -127,10 +143,12 @@ def compare_modules(
     rules: Rules | None = None,
     mesh: Mesh | None = None,
     loss_fn: LossFn = mean_square_loss,
-    tolerance: compare.Tolerance = compare.EXACT,
+    tolerance: compare.Tolerance | float | tuple[float, float] = compare.EXACT,
     checks: Iterable[str] | None = None,
     seed: int = 0,
     optimizer: optax.GradientTransformation | None = None,
+    conversion: Conversion | None = None,
+    drill_down: bool = True,
 ) -> list[CheckResult]:
     """Run the parity checks on a Linen module and its NNX port; one `CheckResult` per check.
 
@@ -152,11 +170,19 @@ def compare_modules(
       mesh: enables the placement and compiled-program comparisons; needs `rules`.
       loss_fn: `outputs -> scalar` for the gradients (summed over the calls); default
         `mean_square_loss`.
-      tolerance: for forward, grads, train and layers (`parity.analysis.compare.EXACT`: bit-exact).
+      tolerance: for forward, grads, train and layers: a `parity.analysis.compare.Tolerance`,
+        a number (the largest relative error against each leaf's scale) or a
+        `(max_rel, max_abs)` pair (a leaf passes within either); default `EXACT`, bit-exact.
       checks: names from `AVAILABLE`, run in the order given (default `CHECKS`, and `random`
         when a call is stochastic).
+      drill_down: when forward or grads fails, run `layers` too (as the `parity` command
+        does): its first divergence is named on their verdicts.
       seed: the key of the default Linen `init` and of the calls' random keys.
       optimizer: the `train` check's optax optimizer (default SGD, learning rate 0.1).
+      conversion: a `Conversion(to_nnx, to_linen)` of your own where paths alone do not
+        carry the weights (fused or reshaped kernels, transposed layouts): functions between
+        Linen's variables and the NNX state as plain nested dicts, checked strictly both ways
+        (`parity.module_pair.conversion`); `renames` still name state, sown values and captures.
 
     Every argument is checked before anything is traced: a mistake raises
     `PairArgumentError` (a ValueError and the project's `BadInput`, exit status 2) saying what
@@ -175,7 +201,10 @@ def compare_modules(
         checks = (*CHECKS, "random") if stochastic else CHECKS
     selected = pair_args.checks(checks, AVAILABLE)
     pair_args.options(linen_variables, rules, mesh, loss_fn, seed, optimizer)
+    if not isinstance(drill_down, bool):
+        raise PairArgumentError(f"drill_down is {drill_down!r}; expected True or False")
     pair_args.unmapped_state(nnx_module, mapped)
+    pair_args.on_mesh(nnx_module, mesh)
     pair_args.fit(linen_module, nnx_module, calls)
     common = {
         "calls": calls,
@@ -187,13 +216,26 @@ def compare_modules(
     }
     pair = ModulePair(
         LinenModuleSide(linen_module, linen_variables, mapped, **common),
-        NNXModuleSide(nnx_module, renames, mapped, **common),
+        NNXModuleSide(nnx_module, renames, mapped, pair_args.conversion(conversion), **common),
         tolerance,
         rules,
         mesh,
     )
+    _inputs_fit(pair)
     quiet = lambda _line: None  # a library call prints nothing
-    return run_loop.run_checks(pair, selected, TRAIN_STEPS, say=quiet)[0]
+    results = run_loop.run_checks(pair, selected, TRAIN_STEPS, drill_down, say=quiet)[0]
+    return diagnosis.explained(pair, results)
+
+
+def _inputs_fit(pair: ModulePair) -> None:
+    """`pair_args.sized_for_inputs` on both modules' variable shapes (abstract: nothing is
+    allocated); a Linen module that does not trace is left to the checks to report."""
+    try:
+        linen, nnx_shapes = pair.linen.leaf_shapes(), pair.nnx.leaf_shapes()
+    except Exception:
+        return
+    arrays = pair.linen.call_inputs[0].arrays().values()
+    pair_args.sized_for_inputs(linen, nnx_shapes, list(arrays))
 
 
 def _run_check(
@@ -295,6 +337,7 @@ __all__ = [
     "MAX_REPORTED",
     "PROGRAM_PRIMITIVES",
     "Call",
+    "Conversion",
     "PairArgumentError",
     "Randomness",
     "compare_modules",

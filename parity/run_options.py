@@ -52,6 +52,7 @@ class RunOptions:
     plot: str | None = None
     golden: str | None = None
     update_golden: bool = False
+    require_golden: bool | None = None  # None: required under CI (`run_inputs.golden_required`)
     compilation_cache_dir: str = ""
     num_processes: int = 1
     process_id: int | None = None

@@ -3,24 +3,31 @@ tiny config (the config matrix)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
 import pytest
 from conftest import CONFIG_DIR, FAST_CODEGEN, SHIPPED_TINY_CONFIGS, tiny
+from rich.console import Console
 
+from migrate import cli as migrate_cli
+from migrate import errors
 from migrate.common import placement
 from migrate.runtime import devices
-from parity import cli
+from parity import cli, run_inputs
 from parity.decoder import cost
 from parity.engine import registry
 from parity.engine.registry import Front
-from parity.reports import report
+from parity.engine.result import CheckResult
+from parity.reports import report, run_facts
+from parity.run_options import RunOptions
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = "llama2-tiny"  # what `make parity` runs (Makefile's CONFIG)
@@ -75,6 +82,11 @@ FILE = "configs/base.yml"  # a file where a directory is wanted
         (("configs/llama2-tiny.yml", "ici_data_parallelism=2"), "needs 16 devices"),
         (("configs/llama2-tiny.yml", f"--compilation_cache_dir={FILE}"), "is not a directory"),
         (("--maxtext", "configs/maxtext/pp4.yml", f"--compilation_cache_dir={FILE}/x"), "is not"),
+        # report paths and the golden file: refused before any JAX work, --dry_run too
+        (("llama2-tiny", "--json=/proc/x.json", "--dry_run"), "cannot write"),
+        (("llama2-tiny", "--plot=p.png", "--checks=forward", "--dry_run"), "do not include train"),
+        (("llama2-tiny", "--plot=p.gif", "--dry_run"), "unknown image format '.gif'"),
+        (("llama2-tiny", "--golden=/nowhere/golden", "--require_golden"), "--update_golden"),
     ],
 )
 def test_usage_and_config_errors_exit_2_with_a_message(args, message, capsys):
@@ -165,6 +177,7 @@ def test_every_check_passes_on_every_shipped_tiny_config(name, tmp_path, capsys)
         f"--junit={junit_path}",
         f"--plot={plot_path}",
         f"--golden={tmp_path / 'golden'}",
+        "--norequire_golden",  # written, under CI too
     )
     if name == DEFAULT_CONFIG:
         result = run_parity(*args, env=default_codegen_env())
@@ -177,12 +190,20 @@ def test_every_check_passes_on_every_shipped_tiny_config(name, tmp_path, capsys)
         status, out, err = result.returncode, result.stdout, result.stderr
     assert status == cli.EXIT_PASS, out + err[-3000:]
     assert "PASS" in out and "FAIL" not in out
+    checks_run = len(registry.names(Front.TWINS)) + 1  # and golden
+    assert out.rstrip().splitlines()[-1] == f"PASS: {checks_run} checks"
+    assert "[parity] --golden: no golden file at" in err  # written, said
     for step in (1, 2):  # the train check reports every step
         assert f"[parity] train step {step}/2: ok" in err
 
     data = json.loads(json_path.read_text())
     assert data["version"] == report.JSON_SCHEMA_VERSION and data["passed"] is True
     assert data["config"] == name
+    run = data["run"]  # what ran
+    assert (run["config_file"], run["overrides"], run["adjusted"]) == (args[0], [], [])
+    assert run["weights"] == {"source": "init", "seed": cfg.seed}
+    assert run["resolved_config"]["derived"]["num_microbatches"] == cfg.num_microbatches
+    assert run["versions"]["jax"] == jax.__version__ and run["versions"]["flax"]
     checks = {c["name"]: c for c in data["checks"]}
     assert list(checks) == [*registry.names(Front.TWINS), "golden"]
     assert set(data["cost"]["programs"]) <= GATE_PROGRAMS, data["cost"]["programs"]
@@ -262,6 +283,7 @@ def assert_loop_communicates_at_the_minimum(cfg, compile_check: dict) -> None:
 def test_golden_mismatch_fails_and_prints_the_differences(tmp_path):
     golden_dir = tmp_path / "golden"
     args = (str(CONFIG_DIR / "llama2-tiny.yml"), "--checks=roundtrip", f"--golden={golden_dir}")
+    args += ("--norequire_golden",)  # the first run writes it, under CI too
     assert run_in_process(*args) == cli.EXIT_PASS  # written
     assert run_in_process(*args) == cli.EXIT_PASS  # compared, equal
     path = golden_dir / "llama2-tiny.sharding.json"
@@ -276,3 +298,148 @@ def test_golden_mismatch_fails_and_prints_the_differences(tmp_path):
     )
     assert run_in_process(*args, "--update_golden") == cli.EXIT_PASS
     assert run_in_process(*args) == cli.EXIT_PASS
+
+
+# ------------------------------------------------------------------ what a report says
+
+
+def passing(name: str, where: str = "linen-init/grads/params/decoder_norm/scale") -> CheckResult:
+    return CheckResult(name, True, "max_rel", 0.0, 0.0, where, message="bit-exact")
+
+
+FAILING_WHERE = "linen-init/grads/params/pipeline/layers/layers_0/self_attention/query/kernel"
+
+
+def test_the_table_fits_the_terminal_names_failures_only_and_ends_with_the_verdict():
+    failed = CheckResult("grads", False, "max_rel", 0.5, 0.0, FAILING_WHERE, status="failed")
+    results = [passing("roundtrip"), failed, passing("train", "step 0")]
+    cost = {"compilations": 12, "cache_reads": 3, "compile_seconds": 10.5, "run_seconds": 2.25,
+            "compare_seconds": 0.5, "wall_seconds": 13.0, "programs": []}  # fmt: skip
+    for width in (80, 100, 160):
+        sink = io.StringIO()
+        console = Console(file=sink, width=width)
+        report.render_table(results, "llama2-tiny ici_tensor_parallelism=2", console, [cost] * 3)
+        lines = sink.getvalue().rstrip().splitlines()
+        assert max(map(len, lines)) <= width, (width, sink.getvalue())
+        assert "llama2-tiny ici_tensor_parallelism=2" in sink.getvalue()
+        table = [line for line in lines if line.startswith("│")]
+        where = "".join(line.split("│")[5].strip() for line in table)  # a path broken after a /
+        assert where == FAILING_WHERE, (width, sink.getvalue())  # only on the failing row
+        assert lines[-1] == "FAIL: grads (exit 1)"
+        assert ("cost: 36 (9 cached) compiles" in sink.getvalue()) == (width <= 100), width
+    assert report.wrap_path("a/bb/ccc", 4) == "a/\nbb/\nccc"
+    assert report.verdict_line(results[:1] + results[2:]) == "PASS: 2 checks"
+    errored = CheckResult("train", False, "error", 0, 0, "-", status="errored")
+    skipped = CheckResult("pipeline", True, "max_rel", 0, 0, "-", status="skipped")
+    assert report.verdict_line([failed, errored]) == "FAIL: grads; ERROR: train (exit 4)"
+    assert report.verdict_line([passing("forward"), skipped]) == "PASS: 2 checks, 1 skipped"
+    assert report.verdict_line([skipped], errors.EXIT_USAGE) == (
+        "PASS: 1 check, 1 skipped; a report was not written (exit 2)"
+    )
+    text = report.text_report(results, "block").splitlines()
+    assert text[-1] == "FAIL: grads (exit 1)"
+    assert text[1:4] == [
+        "  check      verdict  worst        tolerance  where",
+        "  roundtrip  PASS     max_rel=0    0",
+        f"  grads      FAIL     max_rel=0.5  0          {FAILING_WHERE}",
+    ]
+
+
+def test_the_json_report_says_what_ran_and_what_a_checkpoint_changed(capsys):
+    """A checkpoint recorded with S=8 under llama2-tiny (S=4, M=8) and the delay asked for: its
+    layout wins and M=8 no longer fits the delay, so M resets to -1 (16); each key said."""
+    layout = {"ici_pipeline_parallelism": 8, "dcn_pipeline_parallelism": 1,
+              "num_layers_per_pipeline_stage": 1, "num_pipeline_repeats": 1,
+              "scan_layers_per_stage": False, "pipeline_parallel_layers": -1}  # fmt: skip
+    stored = {"layout_keys": layout, "weight_dtype": "float32", "layout": "pipeline",
+              "framework": "nnx", "step": 3, "model_name": "llama2-tiny"}  # fmt: skip
+    path = CONFIG_DIR / "llama2-tiny.yml"
+    overrides = ["pipeline_delay_activation_forwarding=true"]
+    cfg, adjusted = run_inputs.checkpoint_config(path, overrides, stored)
+    assert (cfg.num_stages, cfg.num_microbatches, cfg.forwarding_delay) == (8, 16, 2)
+    assert [(a.key, a.asked, a.used) for a in adjusted] == [
+        ("ici_pipeline_parallelism", 4, 8),
+        ("num_pipeline_repeats", 2, 1),
+        ("num_pipeline_microbatches", 8, -1),
+    ]
+    err = capsys.readouterr().err
+    assert "[parity] --checkpoint changed num_pipeline_microbatches=8 -> -1 (reset to its " in err
+    weights = run_inputs.checkpoint_weights("ckpt", stored)
+    facts = run_facts.twins_facts(path, CONFIG_DIR / "base.yml", overrides, cfg, weights, adjusted)
+    assert facts.title("llama2-tiny") == (
+        f"llama2-tiny pipeline_delay_activation_forwarding=true (weights: checkpoint "
+        f"{Path('ckpt').absolute()})"
+    )
+    data = json.loads(
+        json.dumps(report.to_json([], "llama2-tiny", None, {"run": facts.as_json()}), default=str)
+    )
+    assert data["config"] == "llama2-tiny"  # as before: old readers read on
+    run = data["run"]
+    assert run["config_file"] == str(path) and run["overrides"] == overrides
+    assert run["resolved_config"]["num_pipeline_microbatches"] == -1
+    assert run["resolved_config"]["derived"]["num_microbatches"] == 16
+    assert run["weights"]["source"] == "checkpoint" and run["weights"]["step"] == 3
+    assert run["adjusted"][2]["why"].startswith("reset to its default, M=16")
+    assert run["versions"]["jax"] == jax.__version__ and run["versions"]["python"]
+
+
+def test_a_missing_golden_file_fails_under_ci_and_is_said_elsewhere(tmp_path, capsys):
+    golden = tmp_path / "golden"  # a wrong path: no golden file there
+    checks = ["roundtrip"]
+    assert run_inputs.golden_required(RunOptions(), {"CI": "true"})
+    assert not run_inputs.golden_required(RunOptions(), {})
+    assert not run_inputs.golden_required(RunOptions(require_golden=False), {"CI": "true"})
+    with pytest.raises(errors.BadInput, match="--update_golden") as refused:
+        run_inputs.outputs(RunOptions(golden=str(golden), require_golden=True), "m", checks)
+    assert str(golden / "m.sharding.json") in str(refused.value) and not golden.exists()
+    written = run_inputs.outputs(RunOptions(golden=str(golden), require_golden=False), "m", checks)
+    assert written.golden_missing and written.golden_data is None
+    assert "--golden: no golden file at" in capsys.readouterr().err
+    updated = run_inputs.outputs(
+        RunOptions(golden=str(golden), update_golden=True, require_golden=True), "m", checks
+    )
+    assert not updated.golden_missing  # --update_golden writes it, under CI too
+
+
+def test_report_paths_are_refused_up_front_and_plots_take_their_format(tmp_path):
+    def refused(message: str, checks: Sequence[str] = ("train",), **values) -> None:
+        with pytest.raises(errors.BadInput, match=message):
+            run_inputs.outputs(RunOptions(**values), "m", list(checks))
+
+    refused("cannot write", json="/proc/x.json")
+    refused("do not include train", ("forward",), plot=str(tmp_path / "p.png"))
+    refused("trains no step", plot=str(tmp_path / "p.png"), steps=0)
+    refused(r"unknown image format '\.gif'", plot=str(tmp_path / "p.gif"))
+    assert [report.plot_format(p) for p in ("a.PNG", "a", "a.jpg", "a.svg", "a.pdf", "a.x")] == [
+        "png", "png", "jpeg", "svg", "pdf", None
+    ]  # fmt: skip
+    pytest.importorskip("matplotlib")
+    steps = tuple(
+        {"step": i, "loss_linen": 1.0, "loss_nnx": 1.0, "max_rel": 0.0, "passed": True}
+        for i in range(2)
+    )
+    train = CheckResult("train", True, "max_rel", 0.0, 0.0, "-", steps=steps)
+    for name, magic in (("p.jpg", b"\xff\xd8"), ("p.svg", b"<?xml"), ("p.pdf", b"%PDF")):
+        assert report.write_plot([train], "m", tmp_path / name)
+        assert (tmp_path / name).read_bytes().startswith(magic), name
+
+
+def test_version_and_each_migrate_command_has_its_own_help(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli._parse_flags(["parity", "--version"])
+    assert exited.value.code == cli.EXIT_PASS
+    line = capsys.readouterr().out
+    assert line.startswith("parity (linen-nnx-parity) ") and f"jax {jax.__version__}" in line
+    assert migrate_cli._parse_flags(["migrate", "--version"]) == migrate_cli.EXIT_OK
+    assert capsys.readouterr().out.startswith("migrate (linen-nnx-parity) ")
+    listed = set()
+    for command in migrate_cli.COMMANDS:
+        assert migrate_cli._parse_flags(["migrate", command, "--help"]) == migrate_cli.EXIT_OK
+        page = capsys.readouterr().out
+        assert page.startswith(f"migrate {command}: ") and f"    migrate {command} " in page
+        others = [c for c in migrate_cli.COMMANDS if c != command]
+        assert not any(f"    migrate {c} " in page for c in others), page
+        flags_shown = {f for f in migrate_cli.FLAGS if f"--{f}=" in page or f"]{f}\n" in page}
+        assert flags_shown == set(migrate_cli.COMMAND_FLAGS[command]), command
+        listed |= flags_shown
+    assert listed == set(migrate_cli.FLAGS)  # every flag is some command's

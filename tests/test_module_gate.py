@@ -139,8 +139,11 @@ def test_the_port_passes_with_aligned_keys_every_state_compared():
 @pytest.mark.parametrize(
     "bug,where",
     [
-        (dict(momentum=0.99), {"forward": "linen-init/train/state/batch_stats/norm/mean"}),
-        (dict(cls=DropoutInEval), {"forward": "linen-init/eval/outputs"}),
+        (
+            dict(momentum=0.99),
+            {"forward": "linen-init/train/state/batch_stats/norm/mean", "layers": "norm"},
+        ),
+        (dict(cls=DropoutInEval), {"forward": "linen-init/eval/outputs", "layers": "drop"}),
         (dict(cls=NoSow), {"forward": "linen-init/train/sown/intermediates/hidden/0"}),
     ],
     ids=["momentum", "dropout_in_eval", "missing_sow"],
@@ -149,6 +152,11 @@ def test_a_seeded_bug_fails_forward_where_it_is(bug, where):
     results = compare_modules(LinenBlock(), port(**bug), ALIGNED, checks=["forward"])
     assert failing(results) == where, format_report(results)
     assert pairs.exit_status(results) == errors.EXIT_FAIL
+    if "momentum" in bug:  # the drill-down compares outputs: the state it names parts first
+        assert results[0].message.startswith(
+            "first divergence (layers drill-down): norm (outputs only: "
+            "linen-init/train/state/batch_stats/norm/mean differs before any output)"
+        )
     if "cls" in bug and bug["cls"] is NoSow:
         record = next(d for d in results[0].details if not d["passed"])
         assert record["note"] == "on the Linen side only"
@@ -195,8 +203,13 @@ MISUSE = {
     ),
     "tolerance": (
         lambda: (LinenBlock(), port(), X),
-        {"tolerance": 1e-6},
-        "tolerance is 1e-06; expected a parity.analysis.compare.Tolerance",
+        {"tolerance": "1e-6"},
+        "tolerance is '1e-6'; expected a number (max_rel), a (max_rel, max_abs) pair",
+    ),
+    "negative_tolerance": (
+        lambda: (LinenBlock(), port(), X),
+        {"tolerance": (1e-6, -1.0)},
+        "tolerance has max_rel=1e-06, max_abs=-1.0; expected finite numbers >= 0",
     ),
     "dict_inputs": (lambda: (LinenBlock(), port(), {"x": X}), {}, "inputs is a dict"),
     "checks": (lambda: (LinenBlock(), port(), X), {"checks": "forward"}, "checks is 'forward'"),
@@ -261,7 +274,9 @@ def test_a_module_that_raises_fails_or_is_bad_input_by_side():
     """The NNX port raising where Linen runs is a parity failure (exit 1); the Linen module
     itself refusing the call is bad input (exit 2); the report gives the error's first line
     and, on request, its traceback."""
-    broken = compare_modules(LinenBlock(), port(Unfinished), ALIGNED, checks=["forward"])
+    broken = compare_modules(
+        LinenBlock(), port(Unfinished), ALIGNED, checks=["forward"], drill_down=False
+    )
     assert [r.status for r in broken] == ["failed"]
     assert broken[0].message == (
         "the NNX module raised NotImplementedError in call 'train': the port is unfinished"
@@ -287,7 +302,9 @@ def test_a_harness_error_is_an_internal_error(monkeypatch):
 
 
 def test_the_report_keeps_verdicts_records_and_notes_apart():
-    results = compare_modules(LinenBlock(), port(momentum=0.99), ALIGNED, checks=["forward"])
+    results = compare_modules(
+        LinenBlock(), port(momentum=0.99), ALIGNED, checks=["forward"], drill_down=False
+    )
     lines = format_report(results, "block").splitlines()
     assert lines[0] == "block: FAIL (1 of 1 checks)"
     assert lines[3].startswith(

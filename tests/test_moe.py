@@ -17,6 +17,7 @@ from migrate import cli as migrate_cli
 from migrate.common import moe
 from migrate.config.contract import ConfigError
 from parity.decoder.session import BUBBLE_POISON, DecoderPair
+from parity.engine import run_loop
 
 pytestmark = pytest.mark.slow
 
@@ -68,6 +69,10 @@ def test_routing_ties_are_bit_exact_between_linen_and_nnx():
     for a, b in zip(jax.tree.leaves(linen.grads), jax.tree.leaves(nnx.grads), strict=True):
         np.testing.assert_array_equal(a, b)
     assert float(linen.grad_norm) > 0
+    # Given weights (as --checkpoint's): run once, named as given, not as an initialisation.
+    forward = run_loop.call(pair, "forward")
+    assert forward.passed and {d["tensor"].split("/")[0] for d in forward.details} == {"given"}
+    assert run_loop.call(pair, "init").status == "skipped"
 
 
 @pytest.mark.parametrize("framework", ["linen", "nnx"])

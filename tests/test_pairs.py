@@ -18,10 +18,11 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from migrate.errors import BadInput
 from parity import pairs, testing
 from parity.analysis import compare
 from parity.engine.result import CheckResult
-from parity.pairs import compare_modules, format_report
+from parity.pairs import PairArgumentError, compare_modules, format_report
 from parity.testing import assert_parity
 
 pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
@@ -163,7 +164,7 @@ def test_every_nnx_mode_gives_the_same_verdict(graph_mode, graph_updates):
         results = compare_modules(ex.LinenMLP(16), nnx_mlp(), (X,))
         wrong = compare_modules(ex.LinenMLP(16), nnx_mlp(ExactGeluMLP), (X,), checks=["forward"])
     assert not failing(results)
-    assert failing(wrong) == {"forward": "linen-init/outputs"}
+    assert failing(wrong) == {"forward": "linen-init/outputs", "layers": "down"}
 
 
 def test_renames_map_paths_that_differ():
@@ -198,7 +199,9 @@ def test_a_forward_bug_fails_forward_and_grads_at_the_largest_error():
     assert failing(results) == {
         "forward": "linen-init/outputs",
         "grads": "linen-init/grads/up/kernel",  # through the GELU's derivative: the largest
+        "layers": "down",  # the GELU between `up` and `down` is no submodule: `down` reads it
     }
+    assert results[1].message.startswith("first divergence (layers drill-down): down")
     grads = {d["tensor"]: d["max_rel"] for d in results[2].details}
     assert grads["linen-init/grads/up/kernel"] > grads["linen-init/grads/down/kernel"] > 0
     forward = results[1]
@@ -225,15 +228,19 @@ def test_a_constraint_linen_skips_fails_the_sharding_check(mesh):
     assert (record["linen"], record["nnx"]) == ("0", "1")
 
 
-def test_arrays_off_the_mesh_fail_placement(mesh):
+def test_a_module_built_off_the_mesh_is_bad_input_naming_the_fix(mesh):
+    """A setup mistake (the NNX module built outside `jax.set_mesh`), refused before
+    tracing, not reported as placements that differ."""
     x = jax.device_put(X, NamedSharding(mesh, P("data")))
-    off_mesh = nnx_mlp()  # eager sharding off: single-device arrays, but constraints on mesh
+    off_mesh = nnx_mlp()  # eager sharding off: single-device arrays
     off_mesh.mesh = mesh
-    results = compare_modules(ex.LinenMLP(16, mesh), off_mesh, (x,), rules=ex.RULES, mesh=mesh)
-    assert failing(results) == {"sharding": "down/kernel: placed"}
-    failed = {d["tensor"] for d in results[3].details if not d["passed"]}
-    # Only at rest: jit moves uncommitted single-device arrays, so the programs agree.
-    assert failed == {"down/kernel: placed", "up/kernel: placed"}
+    with pytest.raises(
+        PairArgumentError, match=r"2 array\(s\) of the NNX module are not on it"
+    ) as e:
+        compare_modules(ex.LinenMLP(16, mesh), off_mesh, (x,), rules=ex.RULES, mesh=mesh)
+    assert "on 1 device(s), the mesh has 8" in str(e.value)
+    assert "jax.set_mesh(mesh)" in str(e.value)
+    assert isinstance(e.value, BadInput)  # exit status 2
 
 
 def test_removed_remat_changes_no_value_but_fails_sharding():
@@ -256,14 +263,15 @@ def test_vacuous_gradients_and_nan_fail():
     nan = compare_modules(
         ex.LinenMLP(16), nnx_mlp(), (X,), linen_variables=poisoned, checks=["forward"]
     )
-    assert failing(nan) == {"forward": "linen-init/outputs"}
+    assert failing(nan) == {"forward": "linen-init/outputs", "layers": "up"}
     assert nan[0].details[0]["nonfinite"] > 0 and nan[0].details[1]["passed"]
 
 
 def test_an_error_in_a_module_fails_its_checks_with_the_message():
     results = compare_modules(ex.LinenMLP(16), nnx_mlp(Broken), (X,))
-    assert failing(results).keys() == {"forward", "grads", "sharding"}
+    assert failing(results).keys() == {"forward", "grads", "sharding", "layers"}
     assert "the port is unfinished" in results[1].message
+    assert "the port is unfinished" in results[-1].message  # the drill-down cannot run it
     assert results[0].passed  # the weights still convert
 
 
@@ -297,7 +305,8 @@ def test_assert_parity_returns_results_or_fails_with_the_report():
     with pytest.raises(AssertionError) as raised:
         assert_parity(ex.LinenMLP(16), nnx_mlp(ExactGeluMLP), (X,))
     message = str(raised.value)
-    assert message.startswith("LinenMLP (Linen) vs ExactGeluMLP (NNX): FAIL (2 of 4 checks)")
+    assert message.startswith("LinenMLP (Linen) vs ExactGeluMLP (NNX): FAIL (3 of 5 checks)")
+    assert "first divergence (layers drill-down): down" in message
     assert "forward FAIL linen-init/outputs: NNX vs Linen max_rel=" in message
     assert "grads FAIL nnx-init/grads/up/kernel" in message
 

@@ -291,7 +291,7 @@ def test_a_bug_in_a_bridged_linen_layer_is_named_by_what_it_sows():
         bridge.lazy_init(port, x)
     results = compare_modules(LinenStack(), port, (x,), checks=["forward"])
     place = "linen-init/sown/intermediates/block_2/hidden/0"
-    assert failing(results) == {"forward": place}
+    assert failing(results) == {"forward": place, "layers": "block_2"}
     record = next(d for d in results[0].details if d["tensor"] == place)
     assert 0 < record["max_rel"] < float("inf"), record  # compared, not missing on one side
 

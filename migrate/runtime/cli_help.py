@@ -1,12 +1,16 @@
-"""`--help` for both commands: the usage, what each check or command does, every flag of the
-command with its default, and the exit statuses. absl's own `--help` lists only the flags of the
-main module, which for a console script is the script's wrapper (so `parity --help` printed
-nothing but "Try --helpfull"); this reads the command's own `FlagValues` instead. No JAX here."""
+"""`--help` and `--version` for both commands. `--help`: the usage, what each check or
+command does, every flag of the command with its default, and the exit statuses. absl's own
+`--help` lists only the flags of the main module, which for a console script is the script's
+wrapper (so `parity --help` printed nothing but "Try --helpfull"); this reads the command's own
+`FlagValues` instead. `--version`: the package's, JAX's, Flax's and Python's versions, read
+from the installed distributions. No JAX here."""
 
 from __future__ import annotations
 
+import platform
 import textwrap
 from collections.abc import Iterable, Sequence
+from importlib import metadata
 
 from absl import flags
 
@@ -77,3 +81,31 @@ def help_text(
         lines += _flag_line(flag_values[name])
     lines += ["", *_described("exit status", exits)]
     return "\n".join(lines)
+
+
+VERSION_FLAGS = ("--version",)
+PACKAGE = "linen-nnx-parity"
+VERSIONED = ("jax", "jaxlib", "flax")  # what a run's numbers depend on
+
+
+def wants_version(argv: Sequence[str]) -> bool:
+    return any(arg in VERSION_FLAGS for arg in argv[1:])
+
+
+def versions() -> dict[str, str | None]:
+    """Python's, this package's and each of `VERSIONED`'s installed version (None: not
+    installed), read from the installed distributions: nothing is imported."""
+    found: dict[str, str | None] = {"python": platform.python_version()}
+    for name in (PACKAGE, *VERSIONED):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def version_text(program: str) -> str:
+    """`PROGRAM --version`: the package's version, then JAX's, Flax's and Python's."""
+    found = versions()
+    libraries = ", ".join(f"{name} {found[name] or 'not installed'}" for name in VERSIONED)
+    return f"{program} ({PACKAGE}) {found[PACKAGE]}; {libraries}; Python {found['python']}"

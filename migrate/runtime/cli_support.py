@@ -16,6 +16,7 @@ import shutil
 import signal
 import stat
 import sys
+import tempfile
 import threading
 import traceback
 import warnings
@@ -248,7 +249,8 @@ def ensure_directory(directory: Path, what: str) -> Path:
 
 def check_output_file(path: str, what: str) -> Path:
     """A file to be written later (a report): refused now when it is a directory, a broken link
-    or cannot be written; its missing parent directories are created now."""
+    or cannot be written (an existing file opened for appending, else a file made and removed
+    in its folder); its missing parent directories are created now."""
     target = Path(path)
     try:
         mode = os.stat(target).st_mode
@@ -262,5 +264,19 @@ def check_output_file(path: str, what: str) -> Path:
         raise BadInput(f"{what}={path}: is a directory; give a file path")
     if mode is not None and not os.access(target, os.W_OK):
         raise BadInput(f"{what}={path}: is not writable")
-    ensure_directory(target.absolute().parent, what)
+    folder = ensure_directory(target.absolute().parent, what)
+    # Permission bits do not say everything (root passes `access`; /proc and read-only or
+    # full file systems refuse at the write): make and remove a file there.
+    try:
+        if mode is None:
+            descriptor, probe = tempfile.mkstemp(prefix=".write-test-", dir=folder)
+            os.close(descriptor)
+            os.unlink(probe)
+        else:
+            with open(target, "ab"):  # opened, not written: the file is unchanged
+                pass
+    except OSError as e:
+        where = f"a file in {folder}" if mode is None else str(target)
+        reason = e.strerror or describe_os_error(e)
+        raise BadInput(f"{what}={path}: cannot write {where}: {reason}") from None
     return target

@@ -22,10 +22,14 @@ from migrate.config.contract import Config
 
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
-    """Allowed max relative error (against the reference leaf's scale) and why."""
+    """Allowed max relative error (against the reference leaf's scale) and why; with
+    `max_abs`, a leaf also passes whose largest absolute error is within it (a leaf whose
+    scale is near zero, such as a gradient the math says vanishes, has no useful relative
+    error)."""
 
     max_rel: float
     reason: str
+    max_abs: float = 0.0
 
 
 # Linen against NNX: the twins compile to the same XLA program (the `compile` check compares
@@ -104,7 +108,7 @@ class LeafDiff:
         return (
             self.nonfinite_actual == 0
             and self.nonfinite_expected == 0
-            and self.max_rel <= tol.max_rel
+            and (self.max_rel <= tol.max_rel or self.max_abs <= tol.max_abs)
         )
 
 

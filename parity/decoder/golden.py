@@ -1,7 +1,7 @@
 """The `golden` check of the decoder twins (`parity CONFIG --golden=DIR`): every parameter's
 logical names, resolved PartitionSpec and shape, per framework, as sorted JSON, against the
-report stored in DIR (written when there is none, or with `--update_golden`), difference by
-difference."""
+report stored in DIR (written with `--update_golden`, or when there is none and none is
+required: `parity.run_inputs.golden_required`), difference by difference."""
 
 from __future__ import annotations
 
@@ -69,7 +69,13 @@ def golden_result(pair: Any, outputs: Outputs, write: bool) -> CheckResult:
     if outputs.golden_data is None:
         if write:
             outputs.write_golden(current)
-        return CheckResult("golden", True, "differences", 0.0, 0.0, str(path), message="written")
+        message = (
+            f"no golden file was at {path}: written from this run's sharding, nothing compared "
+            "(commit it; under CI, or with --require_golden, a missing golden file is an error)"
+            if outputs.golden_missing
+            else f"rewritten with --update_golden: {path}; nothing compared"
+        )
+        return CheckResult("golden", True, "differences", 0.0, 0.0, str(path), message=message)
     differences = golden_differences(outputs.golden_data, current)
     if write:
         report.print_golden_differences(differences)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from migrate.checkpoints import convert
@@ -21,8 +22,8 @@ from parity.decoder import cost, drilldown, twins
 from parity.decoder.data import synthetic_batch
 from parity.decoder.sides import LinenDecoderSide, NNXDecoderSide
 from parity.engine.pair import SOURCES, Pair, lm_vacuity_problems
-from parity.engine.registry import Front
-from parity.engine.result import exact_records
+from parity.engine.registry import Check, Front
+from parity.engine.result import exact_records, skipped
 from parity.engine.side import Run
 from parity.multiprocess import distributed
 
@@ -67,14 +68,32 @@ class DecoderPair(Pair):
         options = {"bubble_fill": self.bubble_fill, **variant}
         return cls(cfg or self.cfg, self.mesh, self.train_batch, **options)
 
-    def use_weights(self, framework: str, weights: Any) -> None:
+    def use_weights(self, framework: str, weights: Any, label: str = "given") -> None:
         """Run every check on `weights` (a checkpoint's, in `framework`'s form) instead of the
-        twins' own initialisations: both sources become those weights."""
+        twins' own initialisations: both sources become those weights, run once, and records
+        name them `label` (`checkpoint/logits`), not an initialisation."""
         common = self.side(framework).to_common(weights)
         for target in SOURCES:
             native = weights if target == framework else self.side(target).from_common(common)
             for source in SOURCES:
                 self._weights[target, source] = native
+        self.sources, self._weights_label = ("linen",), label
+
+    _weights_label: str | None = None  # `use_weights`: what records call the weights
+
+    def source_label(self, source: str) -> str:
+        return self._weights_label or super().source_label(source)
+
+    def prepared(self, check: Check, function: Callable[..., Any]) -> Callable[..., Any]:
+        """`init` skipped on given weights: both twins hold the same ones, and their own
+        initialisations were never made."""
+        if check.name != "init" or self._weights_label is None:
+            return function
+        reason = (
+            f"not compared: the checks run on given weights ({self._weights_label}), the same "
+            "in both twins; their own initialisations are compared without --checkpoint"
+        )
+        return lambda pair, *args: skipped("init", "stat/bound", 1.0, reason)
 
     # ------------------------------------------------------------ what the engine asks
 
@@ -115,7 +134,7 @@ class DecoderPair(Pair):
             convert.linen_pipeline_to_reference(host, self.cfg), self.cfg
         )
         return exact_records(
-            f"{source}-init/pipeline->reference->pipeline",
+            f"{self.source_label(source)}/pipeline->reference->pipeline",
             self.linen.plain(there_and_back),
             self.linen.plain(host),
         )

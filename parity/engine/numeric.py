@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from parity.analysis import compare, init_check
-from parity.engine.pair import SOURCES, Pair
+from parity.engine.pair import Pair
 from parity.engine.result import (
     CheckResult,
     exact_records,
@@ -83,16 +83,16 @@ def roundtrip(pair: Pair) -> CheckResult:
     """Linen -> NNX -> Linen and NNX -> Linen -> NNX give back every leaf bit-exactly, with its
     dtype, for both weight sources (and any round trip the pair adds: layouts)."""
     records = []
-    for source in SOURCES:
+    for source in pair.sources:
         linen_weights, nnx_weights = pair.weights("linen", source), pair.weights("nnx", source)
-        linen, nnx = pair.linen, pair.nnx
+        linen, nnx, label = pair.linen, pair.nnx, pair.source_label(source)
         back = linen.from_common(nnx.to_common(nnx.from_common(linen.to_common(linen_weights))))
         records += exact_records(
-            f"{source}-init/linen->nnx->linen", linen.plain(back), linen.plain(linen_weights)
+            f"{label}/linen->nnx->linen", linen.plain(back), linen.plain(linen_weights)
         )
         back = nnx.from_common(linen.to_common(linen.from_common(nnx.to_common(nnx_weights))))
         records += exact_records(
-            f"{source}-init/nnx->linen->nnx", nnx.plain(back), nnx.plain(nnx_weights)
+            f"{label}/nnx->linen->nnx", nnx.plain(back), nnx.plain(nnx_weights)
         )
         records += pair.extra_roundtrip_records(source)
     return verdict("roundtrip", records, compare.EXACT, note=pair.roundtrip_note)
@@ -130,10 +130,11 @@ def init(pair: Pair) -> CheckResult:
 def _both_sources(pair: Pair, name: str, parts: Sequence[str], pick=None) -> CheckResult:
     tol = pair.tolerance
     records, named = [], {}
-    for source in SOURCES:
+    for source in pair.sources:
         linen_run, nnx_run = pair.run("linen", source), pair.run("nnx", source)
-        named |= {f"linen ({source}-init)": linen_run, f"nnx ({source}-init)": nnx_run}
-        records += run_records(f"{source}-init/", nnx_run, linen_run, tol, parts, pair.output_name)
+        label = pair.source_label(source)
+        named |= {f"linen ({label})": linen_run, f"nnx ({label})": nnx_run}
+        records += run_records(f"{label}/", nnx_run, linen_run, tol, parts, pair.output_name)
     earliest = name in pair.earliest
     problems = vacuity(pair, named)
     return verdict(name, records, tol, problems, rank=pair.rank, earliest=earliest, pick=pick)
@@ -152,9 +153,9 @@ def _where_backward_parts(pair: Pair) -> Callable[[list[dict]], dict]:
         failing = [r for r in failing if "/input_grads/" not in r["tensor"]] or failing
         forward_failing = [
             r
-            for source in SOURCES
+            for source in pair.sources
             for r in run_records(
-                f"{source}-init/",
+                f"{pair.source_label(source)}/",
                 pair.run("nnx", source),
                 pair.run("linen", source),
                 pair.tolerance,
@@ -359,8 +360,13 @@ def layers(pair: Pair) -> CheckResult:
             fields = linen_stage.fields(name)
             if name not in linen_caps or name not in nnx_caps:
                 differs, note = one_sided(name, linen_caps, nnx_caps)
+                side, captured = ("linen", linen_caps) if name in linen_caps else ("nnx", nnx_caps)
+                if side == "linen" and pair.called_by_linen_only(name):
+                    differs = True
+                    note = "called by Linen only: the NNX port holds its weights, never calls it"
+                shape = getattr(captured[name], "shape", None)
                 record = {"tensor": name, "passed": not differs, "max_rel": 0.0, "note": note}
-                record |= fields
+                record |= fields | {"side": side, "shape": None if shape is None else list(shape)}
                 if differs:
                     record |= {"max_rel": float("inf"), "mismatches": -1, "nonfinite": 0}
                     records.append(record)

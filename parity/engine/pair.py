@@ -54,6 +54,13 @@ class Pair:
     # Checks that name the earliest failing record in the data flow instead (a module pair's
     # forward: its sown values and outputs differ from the first place that differs on).
     earliest: frozenset[str] = frozenset()
+    # Whose weights the numeric checks run on (`weights(framework, source)`), each once.
+    sources: tuple[str, ...] = SOURCES
+
+    def source_label(self, source: str) -> str:
+        """How records name the weights of `source`: `linen-init/logits` ran on the Linen
+        side's own initial values."""
+        return f"{source}-init"
 
     def __init__(self, linen: Side, nnx: Side, tolerance: compare.Tolerance) -> None:
         self.linen, self.nnx = linen, nnx
@@ -109,6 +116,12 @@ class Pair:
     def vacuity(self, run: Run) -> list[str]:
         """Reasons a run proves nothing: two dead models agree perfectly."""
         return vacuity_problems(run, self.output_name)
+
+    def called_by_linen_only(self, site: str) -> bool:
+        """`site` (a submodule Linen's call captured and NNX's did not) holds weights on both
+        sides: the port has the layer but never calls it, a difference at that very site."""
+        del site
+        return False
 
     def extra_roundtrip_records(self, source: str) -> list[dict]:
         """Round trips only this pair has (the decoder's pipeline <-> reference layout), on

@@ -12,7 +12,7 @@ Both name everything by Linen collection and path, through `migrate.checkpoints.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -24,9 +24,10 @@ from flax.nnx import bridge
 from migrate.checkpoints import convert
 from migrate.common import sharding as sharding_lib
 from parity.engine.side import SideError
-from parity.module_pair import bridges, hints, order
+from parity.module_pair import bridges, conversion, hints, order
 from parity.module_pair import renames as rename_paths
 from parity.module_pair.calls import is_sown
+from parity.module_pair.conversion import Conversion
 from parity.module_pair.module_base import (
     CallResult,
     LossFn,
@@ -221,10 +222,14 @@ class NNXModuleSide(ModuleSide):
         module: nnx.Module,
         renames: Mapping[Path, Path],
         collections: Mapping[str, type],
+        conversion: Conversion | None = None,
         **common: Any,
     ) -> None:
         super().__init__(**common)
-        self.renames = dict(renames)
+        self.renames, self.conversion = dict(renames), conversion
+        # The Linen side's variables (abstract), which a conversion's output must match;
+        # set by the pair.
+        self.linen_target: Callable[[], Mapping[str, Any]] | None = None
         self.collections = {c: t for c, t in collections.items() if not is_sown(t)}
         self.sown_collections = {c: t for c, t in collections.items() if is_sown(t)}
         self.state_types = tuple(t for t in self.collections.values() if t is not nnx.Param)
@@ -256,9 +261,13 @@ class NNXModuleSide(ModuleSide):
         }
 
     def to_common(self, weights: Any) -> dict[str, Any]:
+        if self.conversion is not None and self.linen_target is not None:
+            return conversion.to_linen_variables(self.conversion, weights, self.linen_target())
         return convert.nnx_to_linen(weights, renames=self.renames, collections=self.collections)
 
     def from_common(self, variables: dict[str, Any]) -> Any:
+        if self.conversion is not None:
+            return conversion.to_nnx_state(self.conversion, variables, self.template)
         same = sharding_lib.same_placement(self.rules)
         return convert.linen_to_nnx(
             variables, self.template, self.renames, self.collections, same_names=same
@@ -345,6 +354,11 @@ class NNXModuleSide(ModuleSide):
         }
 
     def grads_common(self, grads: Any) -> dict[str, Any]:
+        if self.conversion is not None and self.linen_target is not None:
+            target = self.linen_target()
+            return unboxed_grads(
+                conversion.grads_to_linen(self.conversion, grads, self.template, target)
+            )
         return unboxed_grads(convert.nnx_to_linen(grads, renames=self.renames)["params"])
 
     def param_label(self, path: tuple) -> str:

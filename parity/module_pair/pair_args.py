@@ -7,6 +7,7 @@ applies) and a `ValueError`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from migrate.checkpoints import convert
 from migrate.errors import BadInput
 from parity.analysis import compare
 from parity.module_pair.calls import Call, Randomness, is_array
+from parity.module_pair.conversion import Conversion
 
 # Keyword arguments `Module.apply` takes itself: a Linen call cannot pass them to the module.
 LINEN_APPLY_KEYWORDS = frozenset({"rngs", "method", "mutable", "capture_intermediates"})
@@ -277,6 +279,75 @@ def unmapped_state(nnx_module: nnx.Module, mapped: Mapping[str, type]) -> None:
         )
 
 
+def on_mesh(nnx_module: nnx.Module, mesh: Mesh | None) -> None:
+    """With a mesh, every array of the NNX module lives on that mesh's devices: one built
+    outside `jax.set_mesh(mesh)` sits on one device, and every placement would differ from
+    Linen's (which `init` places on the mesh) for a reason that is no migration's."""
+    if mesh is None:
+        return
+    devices = set(mesh.devices.flat)
+    elsewhere = [
+        (path, v.get_value())
+        for path, v in nnx.to_flat_state(nnx.state(nnx_module))
+        if not isinstance(v, convert.NNX_ONLY_STATE)
+        and isinstance(v.get_value(), jax.Array)
+        and set(v.get_value().sharding.device_set) != devices
+    ]
+    if not elsewhere:
+        return
+    path, value = elsewhere[0]
+    where = "/".join(str(k) for k in path)
+    raise PairArgumentError(
+        f"mesh is given, but {len(elsewhere)} array(s) of the NNX module are not on it "
+        f"(e.g. {where} on {len(value.sharding.device_set)} device(s), the mesh has "
+        f"{len(devices)}): it was built outside the mesh; build it under `with "
+        "jax.set_mesh(mesh), nnx.logical_axis_rules(rules):`, or create its arrays placed "
+        "(docs/migration-guide.md: create_placed)"
+    )
+
+
+def sized_for_inputs(
+    linen_shapes: Mapping[tuple[str, ...], tuple[int, ...]],
+    nnx_shapes: Mapping[tuple[str, ...], tuple[int, ...]],
+    inputs: Sequence[Any],
+) -> None:
+    """The NNX module was built for the sizes of the inputs given. Linen sizes its layers from
+    the first call's inputs; an NNX module is sized at construction: when every variable is
+    on both sides and each shape that differs differs where Linen's size is an input's size
+    (a kernel's input axis), the inputs are not what the NNX module was built for: bad input,
+    not a migration bug."""
+    if set(linen_shapes) != set(nnx_shapes):
+        return
+    input_sizes = {size for array in inputs for size in getattr(array, "shape", ())[1:]}
+    differing = [
+        (path, linen_shapes[path], nnx_shapes[path])
+        for path in linen_shapes
+        if linen_shapes[path] != nnx_shapes[path]
+    ]
+    if not differing or not input_sizes:
+        return
+    for _, linen_shape, nnx_shape in differing:
+        if len(linen_shape) != len(nnx_shape) or any(
+            a != b and a not in input_sizes for a, b in zip(linen_shape, nnx_shape, strict=True)
+        ):
+            return
+    # An input size is read on a kernel's input axis, never its last (the output features a
+    # port may have wrong whatever the inputs).
+    if not any(
+        a != b
+        for _, linen_shape, nnx_shape in differing
+        for a, b in zip(linen_shape[:-1], nnx_shape[:-1], strict=True)
+    ):
+        return
+    path, linen_shape, nnx_shape = differing[0]
+    shapes = ", ".join(str(tuple(getattr(a, "shape", ()))) for a in inputs)
+    raise PairArgumentError(
+        f"the inputs do not fit the NNX module as built: Linen sized {'/'.join(path[1:])} "
+        f"{linen_shape} from them (inputs {shapes}), the NNX module holds {nnx_shape}: build "
+        "the NNX module for these inputs, or pass inputs of the sizes it was built for"
+    )
+
+
 def fit(linen_module: nn.Module, nnx_module: nnx.Module, calls: Sequence[Call]) -> None:
     """Each call's method exists on both modules, and each NNX mode attribute on some
     submodule of the NNX module (`Module.set_attributes` would refuse it mid-trace)."""
@@ -298,11 +369,45 @@ def fit(linen_module: nn.Module, nnx_module: nnx.Module, calls: Sequence[Call]) 
 
 
 def tolerance(value: Any) -> compare.Tolerance:
+    """A Tolerance as given; a number is a relative tolerance; `(max_rel, max_abs)` adds an
+    absolute one. Negative or non-finite bounds are refused."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = compare.Tolerance(float(value), f"given: max_rel {value:g}")
+    elif (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+    ):
+        rel, abs_ = (float(v) for v in value)
+        value = compare.Tolerance(rel, f"given: max_rel {rel:g} or max_abs {abs_:g}", abs_)
     if isinstance(value, compare.Tolerance):
+        bounds = (value.max_rel, value.max_abs)
+        if not all(isinstance(b, (int, float)) and math.isfinite(b) and b >= 0 for b in bounds):
+            raise PairArgumentError(
+                f"tolerance has max_rel={value.max_rel!r}, max_abs={value.max_abs!r}; expected "
+                "finite numbers >= 0"
+            )
         return value
     hint = f"parity.analysis.compare.Tolerance({value!r}, 'why the pair differs')"
     raise PairArgumentError(
-        f"tolerance is {_shown(value)}; expected a parity.analysis.compare.Tolerance, e.g. {hint}"
+        f"tolerance is {_shown(value)}; expected a number (max_rel), a (max_rel, max_abs) "
+        f"pair, or a parity.analysis.compare.Tolerance, e.g. {hint}"
+    )
+
+
+def conversion(value: Any) -> Conversion | None:
+    if value is None or isinstance(value, Conversion):
+        if value is not None:
+            for name in ("to_nnx", "to_linen"):
+                if not callable(getattr(value, name)):
+                    raise PairArgumentError(
+                        f"conversion.{name} is {_shown(getattr(value, name))}; expected a "
+                        "function of a plain nested dict of arrays"
+                    )
+        return value
+    raise PairArgumentError(
+        f"conversion is {_shown(value)}; expected parity.pairs.Conversion(to_nnx=..., "
+        "to_linen=...), two functions between Linen's variables and the NNX state"
     )
 
 

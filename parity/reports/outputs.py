@@ -1,11 +1,12 @@
 """The report files of a `parity` run: checked before any check runs, written after the last.
 
 A path that cannot be written (a directory, a parent that is a file, a read-only folder, a
-broken link) is refused up front with exit 2; missing parent folders are created then. An
-existing golden file is read and checked up front too. A report that still cannot be written
-at the end is named on stderr and gives exit 2; the verdict table is already on stdout. The
-golden file's name comes from the model name made a safe file name (`report.file_stem`). No
-JAX here.
+broken link, a folder that takes no new file such as /proc) is refused up front with exit 2;
+missing parent folders are created then. An existing golden file is read and checked up front
+too; a missing one is refused where one is required (`require_golden`), else noted. A report
+that still cannot be written at the end is named on stderr and gives exit 2; the verdict table
+is already on stdout, the verdict line follows. The golden file's name comes from the model
+name made a safe file name (`report.file_stem`). No JAX here.
 """
 
 from __future__ import annotations
@@ -37,6 +38,14 @@ def read_golden(path: Path) -> dict[str, Any]:
     return data
 
 
+def _golden_missing(flag_value: str, path: Path) -> BadInput:
+    return BadInput(
+        f"--golden={flag_value}: no golden file {path} (a missing golden file is an error "
+        "under CI=true and with --require_golden); write it once with --update_golden and "
+        "commit it"
+    )
+
+
 def _progress(message: str) -> None:
     print(f"[parity] {message}", file=sys.stderr, flush=True)
 
@@ -52,6 +61,7 @@ class Outputs:
         golden: str | None,
         update_golden: bool,
         model_name: str,
+        require_golden: bool = False,
     ) -> None:
         check = cli_support.check_output_file
         self.json = check(json, "--json") if json else None
@@ -61,13 +71,21 @@ class Outputs:
             raise BadInput("--plot needs matplotlib: install the package's `plot` extra")
         self.golden: Path | None = None
         self.golden_data: dict[str, Any] | None = None
+        self.golden_missing = False  # no golden file: this run writes the first one
         if golden:
-            directory = cli_support.ensure_directory(Path(golden), "--golden")
-            self.golden = report.golden_path(directory, model_name)
-            if not update_golden and (self.golden.exists() or self.golden.is_symlink()):
+            self.golden = report.golden_path(golden, model_name)
+            found = self.golden.exists() or self.golden.is_symlink()
+            missing = not found and not update_golden
+            if missing and require_golden and not Path(golden).exists():
+                raise _golden_missing(golden, self.golden)  # before its folder is made
+            cli_support.ensure_directory(Path(golden), "--golden")
+            if not update_golden and found:
                 self.golden_data = read_golden(self.golden)
             elif self.golden.is_dir():
                 raise BadInput(f"--golden: {self.golden} is a directory")
+            elif missing and require_golden:
+                raise _golden_missing(golden, self.golden)
+            self.golden_missing = missing
 
     def write(
         self,

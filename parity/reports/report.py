@@ -1,4 +1,4 @@
-"""Renderers for check results: terminal table, JSON, JUnit XML, PNG plot. Only this prints.
+"""Renderers for check results: terminal table, JSON, JUnit XML, plot. Only this prints.
 
 The JSON schema is versioned (`JSON_SCHEMA_VERSION`) and documented in docs/report-schema.md.
 Text from configs and errors is printed as it is where it can be encoded and escaped where it
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 import xml.etree.ElementTree as ET
@@ -18,6 +19,9 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
+
+from migrate import errors
 
 JSON_SCHEMA_VERSION = 1
 VERDICTS = {
@@ -64,36 +68,130 @@ def _measured(r: Any) -> tuple[str, str]:
     return f"{r.metric}={_fmt(r.value)}", _fmt(r.tolerance)
 
 
+# Neither a terminal nor COLUMNS (a CI log): this wide; rich reads COLUMNS, else the terminal.
+LOG_WIDTH = 120
+WHERE = 4  # the "where" column
+MIN_WHERE = 24  # its width however narrow the console: a path part fits
+EXIT_OF_STATUS = {
+    "passed": errors.EXIT_PASS,
+    "skipped": errors.EXIT_PASS,
+    "failed": errors.EXIT_FAIL,
+    "bad_input": errors.EXIT_USAGE,
+    "errored": errors.EXIT_INTERNAL,
+}
+COST_CAPTION = (
+    "compiles: XLA compilations (cached: read from the cache); seconds: compile/run/compare"
+)
+
+
+def console_for_stdout() -> Console:
+    """stdout's console: `COLUMNS` wide when set, else the terminal's width (`LOG_WIDTH` when
+    stdout is not a terminal)."""
+    if os.environ.get("COLUMNS", "").isdigit() or sys.stdout.isatty():
+        return Console()
+    return Console(width=LOG_WIDTH)
+
+
+def verdict_line(results: Sequence[Any], reports_status: int = errors.EXIT_PASS) -> str:
+    """The run in one line: `PASS: 9 checks` (`, 1 skipped`), or the checks that did not pass
+    by kind and the exit status (`FAIL: grads, train (exit 1)`); `reports_status`: a report
+    that could not be written (its exit status) after the checks passed."""
+    status = max([EXIT_OF_STATUS[r.status] for r in results], default=errors.EXIT_PASS)
+    failed = [r.name for r in results if r.status == "failed"]
+    broken = [r.name for r in results if r.status in ("bad_input", "errored")]
+    parts = [f"FAIL: {', '.join(failed)}"] if failed else []
+    parts += [f"ERROR: {', '.join(broken)}"] if broken else []
+    if not parts:
+        skipped = sum(r.status == "skipped" for r in results)
+        counted = f"{len(results)} check{'s' if len(results) != 1 else ''}"
+        parts = [f"PASS: {counted}" + (f", {skipped} skipped" if skipped else "")]
+    if reports_status > status:
+        parts.append("a report was not written")
+        status = reports_status
+    line = "; ".join(parts)
+    return line if status == errors.EXIT_PASS else f"{line} (exit {status})"
+
+
+def wrap_path(text: str, width: int) -> str:
+    """`text` in lines of at most `width` characters, broken after a `/` or a space, so that a
+    tensor path stays readable (`.../mlp/` then `wo/kernel`); only a part longer than `width`
+    is cut inside."""
+    lines, line = [], ""
+    for part in re.split(r"(?<=[/\s])", text):
+        if line and len(line) + len(part.rstrip()) > width:
+            lines.append(line.rstrip())
+            line = ""
+        line += part
+        while len(line.rstrip()) > width:
+            lines.append(line[:width])
+            line = line[width:]
+    if line.strip() or not lines:
+        lines.append(line.rstrip())
+    return "\n".join(lines)
+
+
 def render_table(
     results: Sequence[Any],
     name: str,
     console: Console | None = None,
     costs: Sequence[dict[str, Any]] | None = None,
+    verdict: bool = True,
 ) -> None:
-    """check | verdict | worst error | tolerance | where (| compilations | compile/run/compare
+    """check | verdict | worst error | tolerance | where (failing rows only) (| compiles |
     seconds, with `costs`: one `compiles.Cost.as_json()` per result, and a total row); then
-    each check's note."""
-    # CI logs are not terminals: give the table room instead of rich's 80-column default.
-    console = console or Console(width=None if sys.stdout.isatty() else 160)
-    table = Table(title=printable(f"parity: {name}"))
-    table.add_column("check")
-    table.add_column("verdict")
-    table.add_column("worst error")
-    table.add_column("tolerance")
-    table.add_column("where", overflow="fold")
-    if costs is not None:
-        table.add_column("compiles", justify="right")
-        table.add_column("compile/run/compare s", justify="right")
-    for i, r in enumerate(results):
-        cells = [r.name, VERDICTS[r.status], *_measured(r)]
-        cells.append(printable(r.where))
-        table.add_row(*cells, *([] if costs is None else _cost_cells(costs[i])))
-    if costs is not None:
-        table.add_row("total", "", "", "", "", *_cost_cells(total_cost(costs)))
-    console.print(table)
+    each check's note, then (`verdict`) the verdict line. As wide as the console: the "where"
+    column takes the room left and breaks a path only after a `/`; a console too narrow for
+    the cost columns gets the total cost as a line instead."""
+    console = console or console_for_stdout()
+    table = _table(results, name, console.width, costs)
+    if table is None:  # too narrow for the cost columns
+        table = _table(results, name, console.width, None)
+        total = total_cost(costs or [])
+        cells = _cost_cells(total)
+        console.print(table)
+        console.print(f"cost: {cells[0]} compiles, {cells[1]} s compile/run/compare", markup=False)
+    else:
+        console.print(table)
     for r in results:
         if r.message:
             console.print(printable(f"  {r.name}: {r.message}"), soft_wrap=True, markup=False)
+    if verdict:
+        console.print(verdict_line(results), markup=False, highlight=False)
+
+
+def _table(
+    results: Sequence[Any], name: str, width: int, costs: Sequence[dict[str, Any]] | None
+) -> Table | None:
+    """The verdict table `width` columns wide; None when the cost columns leave "where" less
+    than `MIN_WHERE`."""
+    rows: list[list[str]] = []
+    for i, r in enumerate(results):
+        where = "" if r.status in ("passed", "skipped") else r.where
+        cost = [] if costs is None else _cost_cells(costs[i])
+        rows.append([r.name, r.status, *_measured(r), where, *cost])
+    if costs is not None:
+        rows.append(["total", "", "", "", "", *_cost_cells(total_cost(costs))])
+    headers = ["check", "verdict", "worst error", "tolerance", "where"]
+    headers += ["compiles", "seconds"] if costs is not None else []
+    cells = [[printable(c) for c in row] for row in rows]
+    for row in cells:
+        row[1] = Text.from_markup(VERDICTS[row[1]]).plain if row[1] else ""
+    widths = [max(len(h), *(len(row[j]) for row in cells)) for j, h in enumerate(headers)]
+    # Each column adds two spaces of padding and a border, the table one border more.
+    room = width - (sum(widths) - widths[WHERE]) - 3 * len(headers) - 1
+    if costs is not None and room < MIN_WHERE:
+        return None
+    table = Table(title=Text(printable(f"parity: {name}")))
+    for j, header in enumerate(headers):
+        right = costs is not None and j > WHERE
+        table.add_column(header, no_wrap=True, justify="right" if right else "left")
+    for row, (_, status, *_) in zip(cells, rows, strict=True):
+        row[WHERE] = wrap_path(row[WHERE], max(room, MIN_WHERE))
+        verdict_cell = Text.from_markup(VERDICTS[status]) if status else Text("")
+        table.add_row(*(verdict_cell if j == 1 else Text(c) for j, c in enumerate(row)))
+    if costs is not None:
+        table.caption = COST_CAPTION
+    return table
 
 
 def _cost_cells(cost: dict[str, Any]) -> list[str]:
@@ -206,8 +304,19 @@ def write_junit(
     tree.write(path, encoding="unicode", xml_declaration=True)
 
 
+# `--plot`'s formats by file extension (matplotlib's writers for them); no extension: PNG.
+PLOT_FORMATS = {"png": "png", "jpg": "jpeg", "jpeg": "jpeg", "svg": "svg", "pdf": "pdf"}
+
+
+def plot_format(path: str | Path) -> str | None:
+    """The format `path` names by its extension (`PLOT_FORMATS`; none: png), or None."""
+    suffix = Path(path).suffix.lower().removeprefix(".")
+    return PLOT_FORMATS.get(suffix) if suffix else "png"
+
+
 def write_plot(results: Sequence[Any], name: str, path: str | Path) -> bool:
-    """PNG of the train check's per-step losses and errors; False when there is no train run."""
+    """The train check's per-step losses and errors as an image in the format its extension
+    names (`plot_format`); False when there is no train run."""
     train = next((r for r in results if r.name == "train" and r.steps), None)
     if train is None:
         return False
@@ -233,7 +342,7 @@ def write_plot(results: Sequence[Any], name: str, path: str | Path) -> bool:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(printable(f"parity train: {name}"))
     fig.tight_layout()
-    fig.savefig(path, dpi=100, format="png")  # exactly `path`, whatever its suffix
+    fig.savefig(path, dpi=100, format=plot_format(path) or "png")  # exactly `path`
     plt.close(fig)
     return True
 
@@ -270,8 +379,9 @@ def _describe(record: dict) -> str:
 
 
 def text_report(results: Sequence[Any], title: str = "parity", verbose: bool = False) -> str:
-    """Plain-text report: one verdict line per check, then the failing records (each with
-    both sides), then the notes; `verbose` adds every error's whole text (tracebacks)."""
+    """Plain-text report: one verdict line per check ("where" on those that did not pass),
+    then the failing records (each with both sides), then the notes (`verbose`: every
+    error's whole text, tracebacks), then the run's verdict line (`verdict_line`)."""
     failed = [r for r in results if not r.passed]
     verdict = f"FAIL ({len(failed)} of {len(results)} checks)" if failed else "PASS"
     rows = [("check", "verdict", "worst", "tolerance", "where")] + [
@@ -279,16 +389,15 @@ def text_report(results: Sequence[Any], title: str = "parity", verbose: bool = F
             r.name,
             {"passed": "PASS", "skipped": "SKIP", "failed": "FAIL"}.get(r.status, "ERROR"),
             *_measured(r),
-            r.where,
+            "" if r.status in ("passed", "skipped") else r.where,
         )
         for r in results
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = [f"{title}: {verdict}"]
     for row in rows:
-        lines.append(
-            "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[4]
-        )
+        cells = "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False))
+        lines.append(f"  {cells}  {row[4]}".rstrip())
     for r in failed:
         label = "FAIL" if r.status == "failed" else "ERROR"
         failing = [d for d in r.details if not d.get("passed", True)]
@@ -302,6 +411,7 @@ def text_report(results: Sequence[Any], title: str = "parity", verbose: bool = F
             for record in r.details:
                 if "error" in record:
                     lines += [f"{r.name}: {record['tensor']}:", str(record["error"])]
+    lines.append(verdict_line(results))
     return "\n".join(lines)
 
 
