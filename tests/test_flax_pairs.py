@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+from parity import pairs
 from parity.pairs import Call, Randomness, compare_modules
 
 pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
@@ -306,3 +307,38 @@ def test_cells_whose_nnx_version_fuses_the_gates_differ(linen, port, missing):
     results = compare_modules(linen, port, Call((carry(6, lstm), X[:B])), checks=NUMERIC)
     assert failing(results).keys() == set(NUMERIC)
     assert missing in results[0].message
+
+
+GATES = ("i", "f", "g", "o")  # the order NNX's OptimizedLSTMCell fuses them in
+
+
+def fuse_gates(variables):
+    params = variables["params"]
+    joined = lambda prefix, leaf: jnp.concatenate([params[prefix + g][leaf] for g in GATES], -1)
+    return {
+        "dense_i": {"kernel": joined("i", "kernel")},
+        "dense_h": {"kernel": joined("h", "kernel"), "bias": joined("h", "bias")},
+    }
+
+
+def split_gates(state):
+    inputs = jnp.split(state["dense_i"]["kernel"], 4, -1)
+    kernels, biases = (jnp.split(state["dense_h"][leaf], 4, -1) for leaf in ("kernel", "bias"))
+    params = {f"i{g}": {"kernel": k} for g, k in zip(GATES, inputs, strict=True)}
+    params |= {
+        f"h{g}": {"kernel": k, "bias": b} for g, k, b in zip(GATES, kernels, biases, strict=True)
+    }
+    return {"params": params}
+
+
+def test_a_fused_gate_cell_passes_through_a_conversion_of_its_weights():
+    """What no rename maps (above), a `Conversion` does: Linen's eight gate layers fused into
+    NNX's two; the fused dots compute each gate's sums as the separate ones do: bit-exact."""
+    call = Call((carry(6, True), X[:B]))
+    linen, port = nn.OptimizedLSTMCell(6), nnx.OptimizedLSTMCell(D, 6, rngs=rngs())
+    conversion = pairs.Conversion(fuse_gates, split_gates)
+    results = compare_modules(linen, port, call, conversion=conversion)
+    passes(results)
+    assert {"linen-init/grads/hf/kernel", "nnx-init/grads/io/kernel"} <= {
+        d["tensor"] for d in results[2].details
+    }

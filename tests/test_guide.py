@@ -1,7 +1,8 @@
-"""docs/migration-guide.md cannot drift from the code: its `python` blocks run, in order and in
-one namespace; a ```text output block is what the python block before it prints (decimal numbers
-and column padding aside); a ```python file=PATH block is that file's text, verbatim; and every
-relative link, section anchor, linked function or class, and named test exists."""
+"""docs/migration-guide.md cannot drift from the code: each numbered section's `python` blocks
+run, in order, in a namespace of their own (one test per section: a section runs alone, as a
+reader copies it); a ```text output block is what the python block before it prints (decimal
+numbers and column padding aside); a ```python file=PATH block is that file's text, verbatim;
+and every relative link, section anchor, linked function or class, and named test exists."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 NAME_LINK = re.compile(r"\[`([A-Za-z_][\w.]*)`\]\(([^)#\s]+\.py)\)")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 TEST_REF = re.compile(r"`(tests/test_\w+\.py)::(\w+)(?:\[(\w+)\])?`")
+# `## 3. Stacked layers: ...`: a numbered section's heading.
+SECTION = re.compile(r"^## (\d+)\. ", re.M)
 DECIMAL = re.compile(r"\d+\.\d+(?:e[-+]?\d+)?|\d+e[-+]?\d+")
 
 
@@ -65,16 +68,44 @@ def defined_names(path: Path) -> set[str]:
     return names
 
 
-def test_guide_blocks_run_in_order_in_one_namespace():
-    """The executable guide; a failure's traceback points at the guide's own line."""
-    blocks = guide_blocks(GUIDE.read_text())
-    assert sum(b.runs for b in blocks) >= 20, "the guide lost its runnable examples"
+def guide_sections(text: str) -> dict[str, list[Block]]:
+    """Each numbered section's blocks (`## 3. Stacked layers ...` -> "3"), in the guide's
+    order; a section's subsections are part of it. Headings are read outside the fences (a
+    block's `# comment` is none)."""
+    outside = FENCE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
+    starts = [
+        (outside.count("\n", 0, m.start()) + 1, m.group(1)) for m in SECTION.finditer(outside)
+    ]
+    ends = [line for line, _ in starts[1:]] + [text.count("\n") + 2]
+    blocks = guide_blocks(text)
+    return {
+        number: [b for b in blocks if first < b.line < end]
+        for (first, number), end in zip(starts, ends, strict=True)
+    }
+
+
+SECTIONS = guide_sections(GUIDE.read_text())
+
+
+def test_the_guide_keeps_its_runnable_sections():
+    runnable = {n: sum(b.runs for b in blocks) for n, blocks in SECTIONS.items()}
+    assert sum(runnable.values()) >= 20, "the guide lost its runnable examples"
+    assert [n for n, count in runnable.items() if count] == [str(n) for n in range(14)], runnable
+
+
+@pytest.mark.parametrize("section", [n for n, blocks in SECTIONS.items() if blocks])
+def test_each_guide_section_runs_alone(section):
+    """A section's blocks, in order, in a fresh namespace: what a section uses, it defines or
+    imports itself. A failure's traceback points at the guide's own line."""
+    # The guide imports its example pairs as `docs.examples...`, from the repository's root.
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
     # A real module: dataclasses (Linen modules) look their module up in sys.modules.
-    module = types.ModuleType("migration_guide")
+    module = types.ModuleType(f"migration_guide_{section}")
     sys.modules[module.__name__] = module
     printed = ""
     try:
-        for block in blocks:
+        for block in SECTIONS[section]:
             if block.info.split() == ["text", "output"]:
                 assert shown(block.code) == shown(printed), (
                     f"guide line {block.line}: the shown output is not what the code prints:\n"

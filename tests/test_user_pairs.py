@@ -20,14 +20,17 @@ backward pass parts ways, the `forward` check's first failing state path (a bug 
 | | batch statistics in eval (bn1) | `bn1` | `bn1` |
 | attention (cache) | cache index not advanced | `.../step0/state/cache/attn/cache_index` | same |
 | | scores scaled by 1/head_dim | `attn/out` (step1) | `attn/out` |
-| stack (nn.scan) | scan over the wrong axis | `layers` | `final_ln`, or before it `layers` (not compared) |
-| | LayerNorm epsilon inside the stack | `layers` (`layers/ln`) | `final_ln`, or before it `layers` (not compared) |
+| stack (nn.scan) | scan over the wrong axis | `layers` | `final_ln`; before it `layers` * |
+| | LayerNorm epsilon inside the stack | `layers` (`layers/ln`) | `final_ln`; before it `layers` * |
 | | final LayerNorm epsilon | `final_ln` | `final_ln` |
 | fused_qkv (hook) | interleaved head split | `out` | `out` (query/key/value, qkv: one side) |
 | | transposed out kernel | `out` | `out` |
 | | conversion fuses k, q, v | `out` | `out` |
 | | conversion not its own inverse | `key` (roundtrip) | `linen-init/linen->nnx->linen/key/kernel` |
 | | qkv without bias | `qkv/bias` (roundtrip) | `qkv/bias: not in the target (got float32[24])` |
+
+* not compared: Linen's capture records nothing inside `nn.scan`; the verdict names the stack
+as the place before the first divergence that it could not compare.
 
 The drill-down's records carry no call name: in the two-call CNN, `bn1` is named for a bug in
 the train call and for one in the eval call alike; the attention's step is not named either.
