@@ -152,9 +152,9 @@ def test_a_seeded_bug_fails_forward_where_it_is(bug, where):
     results = compare_modules(LinenBlock(), port(**bug), ALIGNED, checks=["forward"])
     assert failing(results) == where, format_report(results)
     assert pairs.exit_status(results) == errors.EXIT_FAIL
-    if "momentum" in bug:  # the drill-down compares outputs: the state it names parts first
+    if "momentum" in bug:  # outputs differ first in eval, after the train call's statistics
         assert results[0].message.startswith(
-            "first divergence (layers drill-down): norm (outputs only: "
+            "first divergence (layers drill-down): norm in call 'eval' (outputs only: "
             "linen-init/train/state/batch_stats/norm/mean differs before any output)"
         )
     if "cls" in bug and bug["cls"] is NoSow:

@@ -32,8 +32,9 @@ backward pass parts ways, the `forward` check's first failing state path (a bug 
 * not compared: Linen's capture records nothing inside `nn.scan`; the verdict names the stack
 as the place before the first divergence that it could not compare.
 
-The drill-down's records carry no call name: in the two-call CNN, `bn1` is named for a bug in
-the train call and for one in the eval call alike; the attention's step is not named either.
+With several calls the verdict says which call the first divergence is in: the CNN's eval-only
+bug (`bn1` in call 'eval'), the attention's bug that shows at the second step (`attn/out` in
+call 'step1').
 """
 
 from __future__ import annotations
@@ -126,3 +127,6 @@ def test_a_seeded_bug_fails_and_the_report_names_its_module(pair_name, bug_name)
         ) in forward.message, report
         return
     assert names(blamed(results, bug.by), bug.blamed), report
+    if bug.call is not None:  # several calls: the verdict says which one parts ways first
+        forward = next(r for r in results if r.name == "forward")
+        assert f"(layers drill-down): {bug.blamed} in call {bug.call!r}" in forward.message

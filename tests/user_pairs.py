@@ -41,6 +41,7 @@ class Bug:
     by: str = LAYERS
     checks: tuple[str, ...] = ("forward",)
     options: Mapping[str, Any] | None = None  # replaces the pair's (`conversion=`)
+    call: str | None = None  # the call the drill-down must find it in (pairs of several calls)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,8 +244,10 @@ CNN = UserPair(
             by=STATE,
         ),
         "VALID padding (conv1)": Bug(lambda: CNNValidPadding(rngs=rngs()), "conv1"),
-        "flipped kernel (conv2)": Bug(lambda: CNNFlippedConv2(rngs=rngs()), "conv2"),
-        "batch statistics in eval (bn1)": Bug(lambda: CNNBatchStatsInEval(rngs=rngs()), "bn1"),
+        "flipped kernel (conv2)": Bug(lambda: CNNFlippedConv2(rngs=rngs()), "conv2", call="train"),
+        "batch statistics in eval (bn1)": Bug(
+            lambda: CNNBatchStatsInEval(rngs=rngs()), "bn1", call="eval"
+        ),
     },
 )
 
@@ -363,7 +366,7 @@ ATTENTION = UserPair(
             block(IndexNotAdvanced), "linen-init/step0/state/cache/attn/cache_index", by=STATE
         ),
         # One cached position at step 0: the softmax is 1 whatever the scale.
-        "scores scaled by 1/head_dim": Bug(block(ScaleByHeadDim), "attn/out"),
+        "scores scaled by 1/head_dim": Bug(block(ScaleByHeadDim), "attn/out", call="step1"),
     },
 )
 

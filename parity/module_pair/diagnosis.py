@@ -65,6 +65,9 @@ def _first_divergence(pair: Any, layers: CheckResult, sites: list[dict], renames
     order) that it could not compare: renamed ones, and those one side alone captures (inside
     Linen's `nn.scan`, Linen's capture records nothing): the divergence may start there."""
     where = f"first divergence (layers drill-down): {layers.where}"
+    first = next((d for d in layers.details if not d.get("passed", True)), {})
+    if "call" in first:  # the pair makes several calls: which one parts ways first
+        where += f" in call {first['call']!r}"
     try:
         before = pair.rank(layers.where)
         earlier = [s for s in sites if s["passed"] and pair.rank(s["tensor"]) < before]

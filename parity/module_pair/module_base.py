@@ -331,7 +331,12 @@ class ModuleSide(Side):
                 # method outputs skips a method the module's class inherits).
                 return out, {**self.captures(captured), "output": out}
 
-            return DrillStage(self.calls[index].name, apply, order=self.capture_order())
+            name = self.calls[index].name
+            # With several calls, a record says which call it was captured in.
+            fields = (lambda _capture: {"call": name}) if len(self.compared) > 1 else None
+            if fields is None:
+                return DrillStage(name, apply, order=self.capture_order())
+            return DrillStage(name, apply, order=self.capture_order(), fields=fields)
 
         return [stage(i, *inputs) for i, inputs in zip(self.compared, self.inputs(), strict=True)]
 
