@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from test_guide import guide_blocks
 
-pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
+# The default stack only: the oldest stack's layer runs the guide, the README's pair, and the
+# converters' and checkpoints' own tests (`compat`), which these recipes call.
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
