@@ -8,6 +8,8 @@
     migrate compare --config=CONFIG A B [key=value ...]  (any two: twins, MaxText 0.2.3/0.2.5)
     migrate init --config=CONFIG --framework=linen|nnx DST [key=value ...]
             [--layout=pipeline|reference] [--force]
+    migrate port MODULE:CLASS --inputs=SPEC [--out=DIR] [--call_kwargs=K=V,...;...]
+            [--names=linen|snake] [--force]
     (either: --verbose prints the traceback of an internal error; COMMAND --help: its help;
     --version: the versions)
 
@@ -48,7 +50,7 @@ from migrate.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_USAGE, BadI
 from migrate.runtime import cli_help, cli_support, memory
 from migrate.runtime.devices import ensure_simulated_devices
 
-COMMANDS = ("convert", "init", "compare")
+COMMANDS = ("convert", "init", "compare", "port")
 FRAMEWORKS = ("linen", "nnx")
 KINDS = (*FRAMEWORKS, "maxtext")  # convert: a MaxText checkpoint on either side
 LAYOUTS = ("pipeline", "reference")
@@ -82,7 +84,37 @@ flags.DEFINE_enum(
     "error).",
     flag_values=FLAGS,
 )
-flags.DEFINE_boolean("force", False, "Replace an existing destination.", flag_values=FLAGS)
+flags.DEFINE_boolean(
+    "force",
+    False,
+    "Replace an existing destination (port: only files it wrote itself).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_string(
+    "inputs",
+    None,
+    "port: example inputs, one DTYPE[SHAPE] per positional argument, `;` between them "
+    "(float32[4,8];int32[4]).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_string(
+    "out", ".", "port: the folder the port's files are written to.", flag_values=FLAGS
+)
+flags.DEFINE_string(
+    "call_kwargs",
+    None,
+    "port: literal keyword arguments of each call the port is traced and gated with "
+    "(train=False;train=True: two calls).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_enum(
+    "names",
+    "linen",
+    ("linen", "snake"),
+    "port: the port's attribute names: Linen's own (Dense_0, the weight map the identity) or "
+    "snake_case (dense_0, renames in the weight map).",
+    flag_values=FLAGS,
+)
 flags.DEFINE_boolean(
     "verify",
     False,
@@ -202,9 +234,11 @@ def _run(argv: Sequence[str]) -> int:
     if not args or args[0] not in COMMANDS:
         got = f" {args[0]!r}" if args else ""
         return usage_error(
-            f"expected a command, convert, init or compare, got{got or ' none'}\n{USAGE}"
+            f"expected a command, convert, init, compare or port, got{got or ' none'}\n{USAGE}"
         )
     command, positional = args[0], args[1:]
+    if command == "port":
+        return _port(positional)
     count = 1 if command == "init" else 2
     if not FLAGS.config:
         return usage_error("--config is required (for example --config=configs/llama2-tiny.yml)")
@@ -279,6 +313,25 @@ def _run(argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
+def _port(positional: Sequence[str]) -> int:
+    """`migrate port MODULE:CLASS --inputs=SPEC`: the NNX port written and gated
+    (`migrate.port.command`): 0 its gate passes, 1 it fails, 2 bad input."""
+    if len(positional) != 1:
+        return usage_error(f"port: expected MODULE:CLASS, got {list(positional)}")
+    if not FLAGS.inputs:
+        return usage_error("port: --inputs is required (e.g. --inputs=float32[4,8])")
+    from migrate.port import command as port_command
+    from migrate.port import spec
+
+    # Everything the command line says is checked before JAX starts.
+    spec.parse_target(positional[0])
+    spec.parse_inputs(FLAGS.inputs)
+    spec.parse_call_kwargs(FLAGS.call_kwargs)
+    return port_command.run_command(
+        positional[0], FLAGS.inputs, FLAGS.out, FLAGS.call_kwargs, FLAGS.names, FLAGS.force
+    )
+
+
 def _maxtext(command: str, paths: list[str], cfg: Config, changes: Mapping[str, Any]) -> int:
     """`convert` with a MaxText checkpoint on one side (`migrate.checkpoints.maxtext_layouts`), and
     `compare` of two checkpoints of any kind, on MaxText's paths."""
@@ -308,6 +361,11 @@ COMMAND_HELP = (
     ),
     ("init", "a fresh checkpoint of either twin's own initialisation, in either layout"),
     (
+        "port",
+        "a Linen module's NNX port (docs/port.md): traced once on --inputs, written with its "
+        "weight map and a pytest gate beside it, then gated: exit 0 the port passes, 1 it fails",
+    ),
+    (
         "compare",
         "two checkpoints of any kind (either twin, either layout, MaxText 0.2.3 or 0.2.5) leaf "
         "by leaf on MaxText's paths: exit 0 bit-identical, 1 they differ (each named)",
@@ -315,7 +373,11 @@ COMMAND_HELP = (
 )
 EXIT_STATUSES = (
     ("0", "the checkpoint was written"),
-    ("1", "a verification (--verify, --verify_forward) failed; nothing was written"),
+    (
+        "1",
+        "a verification (--verify, --verify_forward) failed, nothing was written; port: the "
+        "written port fails its gate",
+    ),
     (
         "2",
         "bad input: usage, config, checkpoint (missing, corrupt, edited meta, another "
@@ -334,6 +396,7 @@ COMMAND_FLAGS = {
     ),
     "init": ("config", "framework", "layout", "force", "memory_check", "verbose"),
     "compare": ("config", "verbose"),
+    "port": ("inputs", "out", "call_kwargs", "names", "force", "verbose"),
 }  # fmt: skip
 
 

@@ -89,8 +89,8 @@ def test_convert_restages_with_key_value_overrides(nnx_ckpt, tmp_path, capsys):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ((), "expected a command, convert, init or compare"),
-        (("upgrade", CONFIG), "expected a command, convert, init or compare, got 'upgrade'"),
+        ((), "expected a command, convert, init, compare or port"),
+        (("upgrade", CONFIG), "expected a command, convert, init, compare or port, got 'upgrade'"),
         (("init", "--framework=nnx", "dst"), "--config is required"),
         (("convert", CONFIG, "--from=nnx", "--to=linen", "src"), "expected SRC DST"),
         (("convert", CONFIG, "--to=linen", "src", "dst"), "--from and --to are required"),

@@ -1,0 +1,86 @@
+"""The pytest file that gates a port: `compare_modules` on the Linen module and the written
+NNX module, called as the port was traced (a stochastic call compared by `random`), with the
+weight map's renames. `gate()` returns the exit status and the report (what `migrate port`
+runs); `test_port` asserts it under pytest."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from migrate.port.spec import ArraySpec
+
+INT_BOUND = 8  # integer inputs are drawn below this, or below the smallest embedding table
+
+
+@dataclasses.dataclass(frozen=True)
+class GateSpec:
+    """What the generated test needs to know."""
+
+    linen_module: str
+    linen_class: str
+    nnx_module: str
+    fields: Mapping[str, Any]
+    inputs: Sequence[ArraySpec]
+    calls: Sequence[Mapping[str, Any]]
+    stochastic: Sequence[bool]  # per call
+    renames: Mapping[tuple[str, ...], tuple[str, ...]]
+    int_bound: int = INT_BOUND
+
+
+def _input(i: int, spec: ArraySpec, bound: int) -> str:
+    shape = repr(spec.shape)
+    if spec.is_float:
+        return f"jax.random.normal(keys[{i}], {shape}, jnp.{spec.dtype})"
+    if spec.dtype == "bool":
+        return f"jax.random.bernoulli(keys[{i}], 0.5, {shape})"
+    return f"jax.random.randint(keys[{i}], {shape}, 0, {bound}, jnp.{spec.dtype})"
+
+
+def render(spec: GateSpec, header: str) -> str:
+    """The test file's text."""
+    name = spec.linen_class
+    arrays = ", ".join(_input(i, s, spec.int_bound) for i, s in enumerate(spec.inputs))
+    calls = []
+    for i, (kwargs, stochastic) in enumerate(zip(spec.calls, spec.stochastic, strict=True)):
+        randomness = ", randomness=Randomness()" if stochastic else ""
+        calls.append(f"Call(args, kwargs={dict(kwargs)!r}{randomness}, name='call{i}')")
+    return f'''{header}"""The parity gate of `{spec.nnx_module}.{name}`, the NNX port of
+`{spec.linen_module}.{name}`: `compare_modules` on both, bit-exact (what `migrate port` runs)."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from parity.pairs import Call, Randomness, compare_modules, exit_status, format_report
+from parity.testing import assert_passed
+from {spec.linen_module} import {name} as Linen{name}
+from {spec.nnx_module} import {name} as NNX{name}
+
+FIELDS = {dict(spec.fields)!r}
+RENAMES = {dict(spec.renames)!r}
+TITLE = "{name} (Linen) vs {name} (NNX port)"
+
+
+def calls() -> list[Call]:
+    keys = jax.random.split(jax.random.key(0), {max(len(spec.inputs), 1)})
+    args = ({arrays}{"," if len(spec.inputs) == 1 else ""})
+    return [{", ".join(calls)}]
+
+
+def results():
+    with nnx.use_eager_sharding(False):
+        port = NNX{name}(**FIELDS, rngs=nnx.Rngs(0))
+    return compare_modules(Linen{name}(**FIELDS), port, calls(), renames=RENAMES)
+
+
+def gate() -> tuple[int, str]:
+    """The exit status of the checks (0 pass, 1 fail, 2 bad input) and their report."""
+    found = results()
+    return exit_status(found), format_report(found, TITLE)
+
+
+def test_port():
+    assert_passed(results(), TITLE)
+'''

@@ -1,0 +1,118 @@
+"""The Linen layers `migrate port` translates, as data: each one's NNX class, the sizes NNX
+needs that Linen infers from the first input, the fields renamed between them, and the
+arguments NNX takes at call time rather than at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import numpy as np
+from flax import nnx
+
+Sizes = Callable[[Any, Mapping[str, Any]], list[str]]  # (first input, attributes) -> args
+
+
+def _last(x: Any, attrs: Mapping[str, Any]) -> list[str]:
+    del attrs
+    return [repr(int(x.shape[-1]))]
+
+
+def _axis(x: Any, attrs: Mapping[str, Any]) -> list[str]:
+    return [repr(int(x.shape[attrs["axis"]]))]
+
+
+def _general(x: Any, attrs: Mapping[str, Any]) -> list[str]:
+    axes = attrs["axis"] if isinstance(attrs["axis"], tuple | list) else (attrs["axis"],)
+    return [repr(tuple(int(x.shape[a]) for a in axes))]
+
+
+def _none(x: Any, attrs: Mapping[str, Any]) -> list[str]:
+    del x, attrs
+    return []
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One Linen layer class and its NNX form."""
+
+    linen: type
+    nnx: type
+    sizes: Sizes  # NNX's leading size arguments, from the first call's input
+    renamed: Mapping[str, str] = dataclasses.field(default_factory=dict)  # Linen -> NNX field
+    at_call: frozenset[str] = frozenset()  # fields NNX also takes as call arguments
+    call_renamed: Mapping[str, str] = dataclasses.field(default_factory=dict)  # call kwargs
+    needs: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # field: required value
+    feature_last: bool = False  # translated only with feature_axes -1
+
+    @property
+    def label(self) -> str:
+        return f"nn.{self.linen.__name__} -> nnx.{self.nnx.__name__}"
+
+    def nnx_parameters(self) -> Mapping[str, inspect.Parameter]:
+        return inspect.signature(self.nnx.__init__).parameters
+
+    def carried(self) -> set[str]:
+        """The Linen fields with an NNX constructor argument (under its NNX name)."""
+        linen = {f.name for f in dataclasses.fields(self.linen) if f.init} - {"parent", "name"}
+        nnx_names = set(self.nnx_parameters())
+        return {f for f in linen if self.renamed.get(f, f) in nnx_names}
+
+    def refusal(self, attrs: Mapping[str, Any]) -> str | None:
+        """Why this instance cannot be translated (None: it can)."""
+        for field, value in self.needs.items():
+            if attrs.get(field) != value:
+                return f"{field}={attrs.get(field)!r} (translated only with {field}={value!r})"
+        if self.feature_last and attrs.get("feature_axes") not in (-1, (-1,)):
+            return f"feature_axes={attrs.get('feature_axes')!r} (translated only with -1)"
+        return None
+
+
+_OUT = {"features": "out_features"}
+LAYERS: dict[type, Layer] = {
+    layer.linen: layer
+    for layer in (
+        Layer(nn.Dense, nnx.Linear, _last, _OUT),
+        Layer(nn.DenseGeneral, nnx.LinearGeneral, _general, _OUT, needs={"batch_dims": ()}),
+        Layer(nn.Conv, nnx.Conv, _last, _OUT),
+        Layer(nn.Embed, nnx.Embed, _none),
+        Layer(nn.LayerNorm, nnx.LayerNorm, _last, feature_last=True),
+        Layer(nn.RMSNorm, nnx.RMSNorm, _last, feature_last=True),
+        Layer(
+            nn.BatchNorm,
+            nnx.BatchNorm,
+            _axis,
+            at_call=frozenset({"use_running_average"}),
+        ),
+        Layer(
+            nn.Dropout,
+            nnx.Dropout,
+            _none,
+            at_call=frozenset({"deterministic"}),
+            call_renamed={"rng": "rngs"},
+        ),
+    )
+}
+
+
+def literal(value: Any) -> str | None:
+    """Python source for `value` where it is a literal (numbers, strings, tuples of them,
+    dtypes as `jnp.NAME`); None otherwise."""
+    if isinstance(value, bool | int | float | str | type(None)):
+        return repr(value)
+    if isinstance(value, tuple | list):
+        items = [literal(v) for v in value]
+        if any(i is None for i in items):
+            return None
+        inner = ", ".join(items) + ("," if len(items) == 1 else "")
+        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        return None
+    if isinstance(value, type | np.dtype) or getattr(value, "dtype", None) is not None:
+        return f"jnp.{dtype.name}"
+    return None

@@ -1,0 +1,63 @@
+"""The weight map a port implies, as data: every Linen variable (collection and path) and the
+NNX path that holds it, and the `renames` (Linen prefix -> NNX prefix) that `compare_modules`
+and the converters take where the two differ."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from migrate.port.emit import Placed
+from migrate.port.trace import Trace
+
+Path = tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightMap:
+    """Each Linen variable's NNX path, and the prefixes renamed."""
+
+    entries: tuple[dict[str, Any], ...]
+    renames: dict[Path, Path]
+
+    @property
+    def identity(self) -> bool:
+        return not self.renames
+
+    def to_json(self, linen: str, nnx_name: str) -> str:
+        return json.dumps(
+            {
+                "written_by": "migrate port",
+                "linen": linen,
+                "nnx": nnx_name,
+                "renames": [[list(k), list(v)] for k, v in self.renames.items()],
+                "entries": list(self.entries),
+            },
+            indent=2,
+        )
+
+
+def build(trace: Trace, placed: Sequence[Placed]) -> WeightMap:
+    """Every traced variable under the attribute that holds it in the port."""
+    where = {p.linen: p.attribute for p in placed}
+    entries = []
+    for collection, leaves in sorted(trace.variables.items()):
+        for path, leaf in sorted(leaves.items()):
+            nnx_path = (where.get(path[0], path[0]), *path[1:])
+            entries.append(
+                {
+                    "linen": "/".join((collection, *path)),
+                    "nnx": "/".join(nnx_path),
+                    "shape": list(leaf.shape),
+                    "dtype": str(leaf.dtype),
+                }
+            )
+    renames = {(p.linen,): (p.attribute,) for p in placed if p.linen != p.attribute}
+    return WeightMap(tuple(entries), renames)
+
+
+def read_renames(text: str) -> dict[Path, Path]:
+    """The `renames` of a weight map file's text."""
+    return {tuple(k): tuple(v) for k, v in json.loads(text)["renames"]}
