@@ -18,8 +18,6 @@ from flax import nnx
 from migrate.errors import BadInput
 from parity.pairs import Conversion, PairArgumentError, compare_modules, exit_status
 
-pytestmark = pytest.mark.compat  # the oldest stack's layer (README, Stacks)
-
 X = jax.random.normal(jax.random.key(1), (4, 8))
 
 
@@ -222,6 +220,7 @@ FUSED = Conversion(to_nnx=fuse, to_linen=split)
 FUSED_TOLERANCE = (1e-6, 1e-6)
 
 
+@pytest.mark.compat  # the oldest stack's layer (README, Stacks): its NNX state as plain dicts
 def test_a_fused_qkv_port_passes_through_the_conversion_both_ways():
     results = compare_modules(
         LinenQKV(), port(FusedQKV), (X,), conversion=FUSED, tolerance=FUSED_TOLERANCE
