@@ -366,8 +366,8 @@ def _run(argv: Sequence[str]) -> int:
         if environments is not None:
             pair.workers.close()
     status = max(EXIT_STATUS[r.status] for r in results)
-    if main:
-        _report(results, cfg.model_name, costs, facts, outputs, {})
+    if main:  # a report that cannot be written is exit 2 (the verdict still printed)
+        status = max(status, _report(results, cfg.model_name, costs, facts, outputs, {}))
     return distributed.worst_status(status)
 
 
