@@ -43,7 +43,8 @@ def explained(pair: Any, results: Sequence[CheckResult]) -> list[CheckResult]:
     layers = next((r for r in out if r.name == "layers"), None)
     one_sided, renames = one_sided_sites(layers) if layers is not None else ([], {})
     if layers is not None and one_sided:
-        out[out.index(layers)] = _noted(layers, _one_sided_note(one_sided, renames))
+        at = next(i for i, r in enumerate(out) if r is layers)
+        out[at] = _noted(layers, _one_sided_note(one_sided, renames))
     if not failed:
         return out
     notes = [note for note in (randomness_hint(pair), rounding_hint(failed)) if note]
@@ -55,9 +56,11 @@ def explained(pair: Any, results: Sequence[CheckResult]) -> list[CheckResult]:
         notes.append(note)
     if not notes:
         return out
-    first, rest = failed[0], failed[1:]
+    first, rest = failed[0], {id(r) for r in failed[1:]}  # by identity: records hold arrays
     see = f"cause: see {first.name}"
-    return [_noted(r, *notes) if r is first else _noted(r, see) if r in rest else r for r in out]
+    return [
+        _noted(r, *notes) if r is first else _noted(r, see) if id(r) in rest else r for r in out
+    ]
 
 
 def _first_divergence(pair: Any, layers: CheckResult, sites: list[dict], renames: dict) -> str:
