@@ -86,7 +86,6 @@ class ModulePair(Pair):
         super().__init__(linen, nnx_side, tolerance)
         self.rules, self.mesh = rules, mesh
         self.calls = linen.calls
-        nnx_side.linen_target = lambda: linen._target
 
     @functools.cached_property
     def _rank(self) -> order.ExecutionRank:
@@ -214,9 +213,17 @@ def compare_modules(
         "optimizer": optimizer or optax.sgd(0.1),
         "seed": seed,
     }
+    linen_side = LinenModuleSide(linen_module, linen_variables, mapped, **common)
     pair = ModulePair(
-        LinenModuleSide(linen_module, linen_variables, mapped, **common),
-        NNXModuleSide(nnx_module, renames, mapped, pair_args.conversion(conversion), **common),
+        linen_side,
+        NNXModuleSide(
+            nnx_module,
+            renames,
+            mapped,
+            pair_args.conversion(conversion),
+            linen_target=lambda: linen_side._target,
+            **common,
+        ),
         tolerance,
         rules,
         mesh,

@@ -223,13 +223,15 @@ class NNXModuleSide(ModuleSide):
         renames: Mapping[Path, Path],
         collections: Mapping[str, type],
         conversion: Conversion | None = None,
+        linen_target: Callable[[], Mapping[str, Any]] | None = None,
         **common: Any,
     ) -> None:
+        """`linen_target`: the Linen side's variables (abstract), which a `conversion`'s output
+        must match; needed with one."""
         super().__init__(**common)
-        self.renames, self.conversion = dict(renames), conversion
-        # The Linen side's variables (abstract), which a conversion's output must match;
-        # set by the pair.
-        self.linen_target: Callable[[], Mapping[str, Any]] | None = None
+        if conversion is not None and linen_target is None:
+            raise ValueError("a conversion needs the Linen side's variables (linen_target)")
+        self.renames, self.conversion, self.linen_target = dict(renames), conversion, linen_target
         self.collections = {c: t for c, t in collections.items() if not is_sown(t)}
         self.sown_collections = {c: t for c, t in collections.items() if is_sown(t)}
         self.state_types = tuple(t for t in self.collections.values() if t is not nnx.Param)
@@ -261,7 +263,7 @@ class NNXModuleSide(ModuleSide):
         }
 
     def to_common(self, weights: Any) -> dict[str, Any]:
-        if self.conversion is not None and self.linen_target is not None:
+        if self.conversion is not None:
             return conversion.to_linen_variables(self.conversion, weights, self.linen_target())
         return convert.nnx_to_linen(weights, renames=self.renames, collections=self.collections)
 
@@ -354,7 +356,7 @@ class NNXModuleSide(ModuleSide):
         }
 
     def grads_common(self, grads: Any) -> dict[str, Any]:
-        if self.conversion is not None and self.linen_target is not None:
+        if self.conversion is not None:
             target = self.linen_target()
             return unboxed_grads(
                 conversion.grads_to_linen(self.conversion, grads, self.template, target)
