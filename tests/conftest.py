@@ -26,10 +26,12 @@ os.environ.setdefault(
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # The CPU, also where libtpu is installed (the TPU tests compile for its compile-only devices).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# A size limit turns on JAX's file lock around every cache read and write: the pytest-xdist
-# workers and the CLI subprocesses share the cache, and an unlocked reader can see a half-written
-# entry. (The whole suite's cache is about 50 MB.)
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 * 2**30))
+# No size limit, as `parity` runs with its workers: a limit turns on JAX's LRU eviction, which
+# lists and stats every entry on each write under one file lock for all processes (measured:
+# 300 ms a write at the suite's ~2,000 entries, the other processes waiting), about 300 CPU
+# seconds a run. Unlocked, a reader that meets an entry another process is still writing reads
+# no program (JAX warns and compiles it).
+os.environ.pop("JAX_COMPILATION_CACHE_MAX_SIZE", None)
 
 import pytest  # noqa: E402
 

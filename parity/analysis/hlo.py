@@ -19,6 +19,9 @@ _INSTRUCTION = re.compile(r"=\s*[^=]*?\b(" + "|".join(COLLECTIVES) + r")(?:-star
 # attributes name the transfer, `megascale_transfer_type="ONE_TO_ONE"` for a ppermute. Each
 # send is one collective over DCN, of the kind its transfer type says.
 _DCN_SEND = re.compile(r"=\s*[^=]*?\bsend\(.*megascale_transfer_type=\"(\w+)\"")
+# A line that names none of these issues no collective (a substring test is far cheaper than
+# the patterns above, and a compiled program has tens of thousands of lines).
+_COLLECTIVE_MARKERS = (*COLLECTIVES, "megascale_transfer_type")
 DCN_KINDS = {
     "ONE_TO_ONE": "collective-permute",
     "ALL_GATHER": "all-gather",
@@ -30,6 +33,8 @@ DCN_KINDS = {
 
 def collective_kind(line: str) -> tuple[str, bool] | None:
     """The collective an HLO line issues, and whether it crosses slices (DCN); None if none."""
+    if not any(marker in line for marker in _COLLECTIVE_MARKERS):  # most lines: no regex
+        return None
     if m := _INSTRUCTION.search(line):
         return m.group(1), False
     if m := _DCN_SEND.search(line):
@@ -77,6 +82,7 @@ _CALLED = re.compile(
     r"\b(?:body|condition|to_apply|calls|branch_computations|called_computations|"
     r"true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)"
 )
+_CALLED_MARKERS = ("body=", "condition=", "to_apply=", "calls=", "computations=", "computation=")
 TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
 _INT_CONSTANT = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*s32\[\]\S*\s+constant\((\d+)\)")
@@ -255,6 +261,8 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
 
 
 def _called(line: str) -> list[str]:
+    if not any(marker in line for marker in _CALLED_MARKERS):  # most lines call nothing
+        return []
     return [n for m in _CALLED.finditer(line) for n in re.findall(r"[\w.\-]+", m.group(1))]
 
 

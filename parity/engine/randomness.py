@@ -28,7 +28,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from scipy import stats
 
 from parity.analysis import compare
 from parity.engine.pair import Pair
@@ -64,6 +63,8 @@ def _p_values(linen: np.ndarray, nnx: np.ndarray) -> dict[str, float]:
     if np.ptp(linen) == 0 and np.ptp(nnx) == 0:  # constant on both sides: equal or not
         same = float(linen[0] == nnx[0])
         return {"mean": same, "spread": 1.0}
+    from scipy import stats  # here: ~1 s to import, and every drill-down imports this module
+
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a side that does not vary: p = 0
         p_mean = float(stats.ttest_ind(linen, nnx, equal_var=False).pvalue)
