@@ -28,9 +28,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # No size limit, as `parity` runs with its workers: a limit turns on JAX's LRU eviction, which
 # lists and stats every entry on each write under one file lock for all processes (measured:
-# 300 ms a write at the suite's ~2,000 entries, the other processes waiting), about 300 CPU
-# seconds a run. Unlocked, a reader that meets an entry another process is still writing reads
-# no program (JAX warns and compiles it).
+# 300 ms a write at the ~2,000 entries a whole run writes, the other processes waiting); a
+# limit set in the shell is dropped for the same reason. Unlocked, a reader that meets an entry
+# another process is still writing reads no program (JAX warns and compiles it).
 os.environ.pop("JAX_COMPILATION_CACHE_MAX_SIZE", None)
 
 import pytest  # noqa: E402

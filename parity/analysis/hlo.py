@@ -78,11 +78,13 @@ def program_fingerprint(hlo_text: str) -> str:
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _NAME_OF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
-_CALLED = re.compile(
-    r"\b(?:body|condition|to_apply|calls|branch_computations|called_computations|"
-    r"true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)"
-)
-_CALLED_MARKERS = ("body=", "condition=", "to_apply=", "calls=", "computations=", "computation=")
+# The attributes by which an instruction calls other computations.
+_CALLING = (
+    "body", "condition", "to_apply", "calls", "branch_computations", "called_computations",
+    "true_computation", "false_computation",
+)  # fmt: skip
+_CALLED = re.compile(r"\b(?:" + "|".join(_CALLING) + r")=(\{[^}]*\}|%?[\w.\-]+)")
+_CALLED_MARKERS = tuple(f"{attribute}=" for attribute in _CALLING)
 TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
 _INT_CONSTANT = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*s32\[\]\S*\s+constant\((\d+)\)")
