@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
+
+from parity.remote import forked  # stdlib only: imports no JAX
 
 _flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
 # The suite compiles XLA:CPU machine code without LLVM's optimisations (its programs are tiny;
@@ -32,6 +36,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # limit set in the shell is dropped for the same reason. Unlocked, a reader that meets an entry
 # another process is still writing reads no program (JAX warns and compiles it).
 os.environ.pop("JAX_COMPILATION_CACHE_MAX_SIZE", None)
+# Workers forked from a server per environment that imported their factory once
+# (`parity.remote.forked`): the session starts about a hundred MaxText workers, each of which
+# spent about 8 CPU-s importing MaxText. Set here, in the first pytest process (the xdist
+# controller, whose workers and the `parity` processes they start inherit it); the servers end
+# with this process.
+if forkservers_created := forked.FOLDER_VARIABLE not in os.environ:
+    os.environ[forked.FOLDER_VARIABLE] = tempfile.mkdtemp(prefix="parity-forkservers-")
+    os.environ[forked.OWNER_VARIABLE] = str(os.getpid())
 
 import pytest  # noqa: E402
 
@@ -139,3 +151,12 @@ def _a_test_not_marked_slow_starts_no_end_to_end_run(request):
 import jax  # noqa: E402  (after XLA_FLAGS: the session has exactly 8 simulated devices)
 
 assert jax.device_count() == 8, f"expected 8 simulated CPU devices, got {jax.device_count()}"
+
+
+def pytest_unconfigure(config):
+    """The session's fork servers end with the process that made their folder: their sockets
+    removed (each server exits within a tick of its loop), the folder with them."""
+    if forkservers_created:
+        folder = Path(os.environ[forked.FOLDER_VARIABLE])
+        forked.stop_servers(folder)
+        shutil.rmtree(folder, ignore_errors=True)

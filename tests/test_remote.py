@@ -211,7 +211,11 @@ def test_a_workers_compile_time_says_whether_it_compiled_or_read_the_cache(tmp_p
 @pytest.mark.slow
 @pytest.mark.parametrize("behaviour", ["die", "hang"])
 def test_a_worker_that_dies_or_hangs_is_lost_in_bounded_time(behaviour):
-    worker = fake_worker(timeout_s=3, run=behaviour)
+    assert_lost_in_bounded_time(fake_worker(timeout_s=3, run=behaviour), behaviour)
+
+
+def assert_lost_in_bounded_time(worker: Worker, behaviour: str) -> None:
+    """A worker started with `timeout_s=3` whose `run` does `behaviour` (`die`, `hang`)."""
     side = RemoteSide(worker, "nnx")
     weights = side.own_weights()
     start = time.monotonic()

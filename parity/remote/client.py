@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from migrate.errors import BadInput, WorkerLost
-from parity.remote import protocol
+from parity.remote import forked, protocol
 
 REPO = Path(__file__).resolve().parent.parent.parent  # a checkout, or the caller's site-packages
 PROJECT_PACKAGES = ("migrate", "parity")  # all a worker imports of this installation
@@ -101,22 +101,29 @@ class Worker:
         start_timeout_s: float = 900.0,
         on_wait: OnWait | None = None,
         wait_line_s: float = WAIT_LINE_S,
+        factory_module: str | None = None,
     ) -> None:
         self.python = check_interpreter(python)
         self.name, self.timeout_s, self.start_timeout_s = name, timeout_s, start_timeout_s
         self.on_wait, self.wait_line_s = on_wait, wait_line_s
         self.directory: Path | None = Path(tempfile.mkdtemp(prefix=f"parity-worker-{name}-"))
         try:
-            self._launch(pythonpath, env)
+            self._launch(pythonpath, env, factory_module)
         except BaseException:  # a failed or interrupted launch leaves nothing behind
             self.close()
             raise
 
-    def _launch(self, pythonpath: Sequence[str | Path], env: dict[str, str] | None) -> None:
-        """Start the process and wait for its `ready` line."""
+    def _launch(
+        self,
+        pythonpath: Sequence[str | Path],
+        env: dict[str, str] | None,
+        factory_module: str | None,
+    ) -> None:
+        """Start the process (forked from its environment's fork server where the caller asks
+        for one and names the factory: `parity.remote.forked`) and wait for its `ready` line."""
         assert self.directory is not None
-        paths = [str(Path(p).resolve()) for p in pythonpath]
-        paths.append(str(project_path(self.directory)))
+        own_paths = [str(Path(p).resolve()) for p in pythonpath]
+        paths = [*own_paths, str(project_path(self.directory))]
         environment = {**os.environ, **(env or {})}
         environment["PYTHONPATH"] = os.pathsep.join(paths)
         environment.setdefault("JAX_PLATFORMS", "cpu")
@@ -126,8 +133,13 @@ class Worker:
         self.seconds_in_calls = 0.0
         self.io_seconds = 0.0  # this process writing and reading array files
         self.calls = 0
+        process: Any = None
+        if factory_module is not None:
+            process = forked.spawn(
+                self.python, own_paths, environment, factory_module, self.directory, project_path
+            )
         try:
-            self.process = subprocess.Popen(
+            self.process = process or subprocess.Popen(
                 [self.python, "-u", "-m", "parity.remote.worker", str(self.directory)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -329,7 +341,13 @@ class WorkerSet(dict):
         env = {**compilation_cache_variables(), **(variables or {})}
         with self.closed_on_failure():
             worker = Worker(
-                where.python, framework, paths, env=env, timeout_s=where.timeout_s, on_wait=on_wait
+                where.python,
+                framework,
+                paths,
+                env=env,
+                timeout_s=where.timeout_s,
+                on_wait=on_wait,
+                factory_module=factory.partition(":")[0],
             )
             self[framework] = worker
             worker.info = worker.start(factory, {**options, "patch": where.patch}, batch)

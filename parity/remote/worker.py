@@ -13,6 +13,9 @@ it (the worker reads them; none is required):
   `packages`, and the `release` of a config error);
 - `config_error_line(message) -> str`: a config error's message as one short line (the first
   line, shortened, where the module declares none).
+- `PRELOAD`: modules a fork server of the environment imports before it forks this factory's
+  workers (`parity.remote.forkserver`): the expensive imports `make` reaches, none that starts
+  JAX's backend or a thread.
 
 Requests arrive on stdin, one JSON object per line: `{"op": ..., ...}`; each gets exactly one
 reply line on stdout: `{"ok": {...}}` or `{"error": {"type", "module", "message", "detail",
