@@ -5,8 +5,10 @@ bug in the NNX worker caught where the in-process gate catches it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -298,19 +300,41 @@ def processes_naming(directory: Path) -> list[str]:
     return found
 
 
+def live_children_of_processes_naming(directory: Path) -> list[str]:
+    """The command lines of the live (not zombie) children of the processes that name
+    `directory`: a fork server names its socket, in its folder, and its workers are its
+    children."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if any(str(directory) in part for part in process.info["cmdline"] or []):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for child in process.children():
+                    if child.status() != psutil.STATUS_ZOMBIE:
+                        found.append(" ".join(child.cmdline()))
+    return found
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("launch", ["plain", "forked"])
 @pytest.mark.parametrize("stage", ["start", "first-call", "mid-check", "exit"])
 def test_a_worker_killed_at_any_stage_leaves_no_process_and_no_directory(
-    stage, tmp_path, monkeypatch
+    stage, launch, tmp_path, monkeypatch
 ):
     """`parity --maxtext`'s run (`release_pair.run_gate`: its pair, its checks, its workers'
     end), here on fake sides, with the NNX worker killed (SIGKILL) as it starts, at its first
     call, halfway through `forward`, and as the run ends: a worker lost before the checks are
     done is `WorkerLost` (exit 3) naming it; one lost at the end leaves the results standing.
-    Either way both workers are gone, and so are their temporary directories."""
+    Either way both workers are gone, and so are their temporary directories; plain processes
+    or forked from a fork server (`parity.remote.forked`), whose children they then are."""
     from parity.maxtext import gate_config, release_pair
+    from parity.remote import forked
     from parity.remote.environments import Environment
 
+    servers = Path(tempfile.mkdtemp(prefix="parity-fs-"))  # before tempdir moves: a short path
+    monkeypatch.setenv(forked.FOLDER_VARIABLE, str(servers) if launch == "forked" else "")
+    monkeypatch.setenv(forked.OWNER_VARIABLE, str(os.getpid()))
     monkeypatch.setattr(release_pair, "FACTORY", FAKES)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     config = gate_config.load(REPO / "configs" / "maxtext" / "pp4.yml", [f"kill_at={stage}"])
@@ -324,6 +348,14 @@ def test_a_worker_killed_at_any_stage_leaves_no_process_and_no_directory(
             release_pair.run_gate(config, environments, ["forward"], 1)
     assert list(tmp_path.iterdir()) == []
     assert processes_naming(tmp_path) == []
+    if launch == "forked":
+        assert list(servers.glob("*.sock")), "no fork server served the workers"
+        deadline = time.monotonic() + 5  # the server reaps its children within a tick
+        while live_children_of_processes_naming(servers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert live_children_of_processes_naming(servers) == []
+        forked.stop_servers(servers)
+    shutil.rmtree(servers, ignore_errors=True)
 
 
 @pytest.mark.slow

@@ -176,6 +176,7 @@ def spawn(
                 refused = folder / f"{key}.refused"
                 if refused.exists():
                     return None
+                socket_path.unlink(missing_ok=True)  # a server that ended without removing it
                 server_paths = [*paths, str(project_links(folder))]
                 server_env = {**env, "PYTHONPATH": os.pathsep.join(server_paths)}
                 why = _start_server(python, socket_path, factory, server_env, folder)
