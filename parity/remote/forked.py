@@ -161,7 +161,21 @@ def spawn(
     folder_name = os.environ.get(FOLDER_VARIABLE)
     if not folder_name:
         return None
-    folder = Path(folder_name)
+    try:
+        return _spawn(python, paths, env, factory, directory, project_links, Path(folder_name))
+    except OSError:  # a folder that cannot be written, a server that cannot start: plain
+        return None
+
+
+def _spawn(
+    python: str,
+    paths: Sequence[str],
+    env: dict[str, str],
+    factory: str,
+    directory: Path,
+    project_links: Callable[[Path], Path],
+    folder: Path,
+) -> ForkedProcess | None:
     key = server_key(python, paths, {k: v for k, v in env.items() if k != "PYTHONPATH"}, factory)
     socket_path = folder / f"{key}.sock"
     if len(str(socket_path)) > SOCKET_PATH_LIMIT:
