@@ -69,6 +69,22 @@ def tiny(name: str, *overrides: str) -> Config:
     return load_config(CONFIG_DIR / f"{name}.yml", overrides)
 
 
+def run_cli(tmp_path: Path, *args: str) -> tuple[int, dict]:
+    """`parity` in-process (so monkeypatches apply), with its JSON report (`{}` when it
+    wrote none)."""
+    import json
+
+    from parity import cli
+
+    report = tmp_path / "report.json"
+    argv = cli.FLAGS(["parity", *args, f"--json={report}"])
+    try:
+        status = cli.run(argv)
+    finally:
+        cli.FLAGS.unparse_flags()
+    return status, json.loads(report.read_text()) if report.exists() else {}
+
+
 def session_root(tmp_path_factory) -> Path:
     """A folder every pytest-xdist worker of this session shares (the session's temporary
     root), for what one worker builds under a lock and the others reuse; without xdist, this

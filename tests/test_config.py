@@ -29,6 +29,10 @@ def test_derived_values_of_the_default_config():
         1,
     )
     assert cfg.num_devices == 8 and cfg.global_batch_size == 16 and cfg.microbatch_size == 2
+    assert cfg.gradient_accumulation_steps == 1 and cfg.train_batch_size == 16
+    accumulating = tiny("llama2-tiny", "gradient_accumulation_steps=3")
+    assert (accumulating.global_batch_size, accumulating.train_batch_size) == (16, 48)
+    assert accumulating.microbatch_size == 2  # the pipeline splits each accumulated batch
     assert cfg.num_iterations == 8 * 2 + 3
     assert math.isclose(cfg.bubble_fraction, 3 / 19)
     assert math.isclose(cfg.pipeline_flop_overhead, 19 / 16)
@@ -134,6 +138,8 @@ RULES = [
     (("base_emb_dim=63",), ["base_emb_dim=63", "ici_fsdp_parallelism=2", "fsdp axis"]),
     (("vocab_size=254",), ["vocab_size=254", "tensor=1, stage=4", "tensor x stage"]),
     (("per_device_batch_size=0.1",), ["per_device_batch_size=0.1", "positive integer"]),
+    (("gradient_accumulation_steps=0",), ["gradient_accumulation_steps=0", "positive integer"]),
+    (("gradient_accumulation_steps=2000",), ["gradient_accumulation_steps=2000", "1..1024"]),
     (
         ("ici_pipeline_parallelism=1", "ici_data_parallelism=3", "per_device_batch_size=0.5"),
         [

@@ -4,14 +4,13 @@ And no false alarms: the clean run passes for seeds 0 to 4 (seed 0 in the config
 
 from __future__ import annotations
 
-import json
 import sys
 import types
 
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import CONFIG_DIR
+from conftest import CONFIG_DIR, run_cli
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -33,17 +32,6 @@ default_stack_only = pytest.mark.skipif(
 TINY = str(CONFIG_DIR / "llama2-tiny.yml")
 TINY_BF16 = str(CONFIG_DIR / "llama2-tiny-bf16.yml")
 TINY_TP = str(CONFIG_DIR / "llama2-tiny-tp.yml")
-
-
-def run_cli(tmp_path, *args: str) -> tuple[int, dict]:
-    """The CLI in-process (so monkeypatches apply), with its JSON report."""
-    report = tmp_path / "report.json"
-    argv = cli.FLAGS(["parity", *args, f"--json={report}"])
-    try:
-        status = cli.run(argv)
-    finally:
-        cli.FLAGS.unparse_flags()
-    return status, json.loads(report.read_text()) if report.exists() else {}
 
 
 @pytest.fixture

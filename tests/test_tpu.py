@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from conftest import run_cli
 from jax.ad_checkpoint import checkpoint_name
 from test_cli import REPO, parity_command
 from test_injected_bugs import train_step_not_donated
@@ -36,17 +37,6 @@ needs_libtpu = pytest.mark.skipif(
 EDGE_OF_V5E = ("vocab_size=2000000", "base_emb_dim=384")
 # Both sides overflow: HLO temporaries of 41.98 GB per device against 15.75 GB.
 BEYOND_V5E = ("vocab_size=2000000", "base_emb_dim=2048")
-
-
-def run_cli(tmp_path: Path, *args: str) -> tuple[int, dict]:
-    """The CLI in-process (monkeypatches apply), with its JSON report."""
-    report = tmp_path / "report.json"
-    argv = cli.FLAGS(["parity", *args, f"--json={report}"])
-    try:
-        status = cli.run(argv)
-    finally:
-        cli.FLAGS.unparse_flags()
-    return status, json.loads(report.read_text()) if report.exists() else {}
 
 
 def compile_check(report: dict) -> dict:

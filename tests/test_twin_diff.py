@@ -277,8 +277,8 @@ INJECTED = [
     pytest.param(
         "linen",
         "train.py",
-        "    loss_fn = make_loss_fn(cfg, model)\n\n    def train_step",
-        "    loss = make_loss_fn(cfg, model)\n    loss_fn = loss\n\n    def train_step",
+        "    loss_fn = make_loss_fn(cfg, model)\n    return lambda",
+        "    loss = make_loss_fn(cfg, model)\n    loss_fn = loss\n    return lambda",
         "loss = make_loss_fn(cfg, model)",
         id="a renamed local",
     ),

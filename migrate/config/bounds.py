@@ -29,6 +29,7 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "max_target_length": (1, 2**20),
     "num_experts": (1, 2**10),
     "num_experts_per_tok": (1, 2**10),
+    "gradient_accumulation_steps": (1, 2**10),
     "dcn_data_parallelism": (1, 2**10),
     "dcn_pipeline_parallelism": (1, 2**10),
     "pipeline_parallel_layers": (-1, 2**10),  # -1: all N layers; 0: see the pipeline rules

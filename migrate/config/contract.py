@@ -57,6 +57,9 @@ class Config:
     load_balance_loss_weight: float
 
     per_device_batch_size: float
+    # Microbatches one optimizer step accumulates gradients over (MaxText's key): a step trains
+    # on `gradient_accumulation_steps` batches of `global_batch_size` rows (`train_batch_size`).
+    gradient_accumulation_steps: int
     learning_rate: float
     adam_b1: float
     adam_b2: float
@@ -100,6 +103,7 @@ class Config:
     num_devices: int = dataclasses.field(init=False)
     global_batch_size: int = dataclasses.field(init=False)
     microbatch_size: int = dataclasses.field(init=False)
+    train_batch_size: int = dataclasses.field(init=False)
     num_iterations: int = dataclasses.field(init=False)
     bubble_fraction: float = dataclasses.field(init=False)
 

@@ -67,6 +67,7 @@ def derive(cfg: Config) -> dict[str, Any]:
         num_devices=devices,
         global_batch_size=global_batch_int,
         microbatch_size=global_batch_int // microbatches if microbatches > 0 else 0,
+        train_batch_size=global_batch_int * cfg.gradient_accumulation_steps,
         num_iterations=iterations,
         bubble_fraction=delay * (stages - 1) / iterations if iterations > 0 else 0.0,
     )

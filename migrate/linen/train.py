@@ -17,7 +17,7 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from migrate.common import optim
+from migrate.common import accumulation, optim
 from migrate.config.contract import Config
 from migrate.linen.decoder import Decoder, training_loss
 from migrate.linen.decoder import param_shardings as param_shardings_of
@@ -36,11 +36,15 @@ def make_loss_fn(cfg: Config, model: Decoder) -> Callable:
 
 
 def make_train_step(cfg: Config, model: Decoder, tx: optax.GradientTransformation) -> Callable:
-    """`(params, opt_state, batch) -> (params, opt_state, metrics)`, pure; jit it."""
-    loss_fn = make_loss_fn(cfg, model)
+    """`(params, opt_state, batch) -> (params, opt_state, metrics)`, pure; jit it. The batch
+    holds `cfg.train_batch_size` rows: with `gradient_accumulation_steps` k > 1, the loss and
+    gradients are averaged over k batches of `global_batch_size` rows (`accumulation`)."""
+    value_and_grad = accumulation.value_and_grad(
+        make_loss_fn(cfg, model), cfg.gradient_accumulation_steps
+    )
 
     def train_step(params, opt_state, batch):
-        (loss, (_, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+        (loss, (_, aux)), grads = value_and_grad(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, step_metrics(cfg, loss, aux, grads)

@@ -87,7 +87,8 @@ def estimate(cfg: Config, copies: int = 2, gradients: bool = True) -> MemoryEsti
         * length
         * (4 * cfg.base_num_query_heads * length + act_bytes * cfg.base_mlp_dim * cfg.num_experts)
     )
-    activations = tokens * (4 * cfg.vocab_size + act_bytes * cfg.base_emb_dim) + one_layer
+    batch = 2 * 4 * cfg.train_batch_size * length  # a train step's int32 inputs and targets
+    activations = tokens * (4 * cfg.vocab_size + act_bytes * cfg.base_emb_dim) + one_layer + batch
     return MemoryEstimate(
         parameters=parameters,
         optimizer=2 * parameters,

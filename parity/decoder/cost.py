@@ -36,7 +36,8 @@ def with_shardings(shardings: Any, abstract: Any) -> Any:
 
 
 def abstract_batch(cfg: Config, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
-    shape = (cfg.global_batch_size, cfg.max_target_length)
+    """A train step's batch (`train_batch_size` rows: every accumulated batch)."""
+    shape = (cfg.train_batch_size, cfg.max_target_length)
     batch_sharding = sharding.batch_sharding(cfg, mesh)
     return {
         k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding)
@@ -195,16 +196,27 @@ def _gathers_over_fsdp(collectives, mesh_shape: dict[str, int]) -> int:
     return sum(c.kind == "all-gather" and "fsdp" in c.mesh_axes(mesh_shape) for c in collectives)
 
 
+def batch_loops(cost: CompiledCost, cfg: Config) -> tuple[hlo.Loop, ...]:
+    """The outermost loops of one pass over a batch: the program's own, or, where a train step
+    accumulates gradients over k batches, the loops inside the accumulation loop (k trips)."""
+    steps = cfg.gradient_accumulation_steps
+    if steps == 1:
+        return cost.loops
+    return tuple(inner for loop in cost.loops if loop.trip_count == steps for inner in loop.inner)
+
+
 def pipeline_loops(cost: CompiledCost, cfg: Config) -> list[tuple[hlo.Loop, hlo.Loop | None]]:
-    """(iteration loop, the repeat loop around it or None): the outermost loops that run
-    `cfg.num_iterations` times, or with `pipeline_fsdp_ag_per_repeat` the loops of M iterations
-    inside the outermost loops of R blocks (the drain, d*(S-1) iterations on the last window,
-    is not counted: its body is the same iteration)."""
+    """(iteration loop, the repeat loop around it or None): the outermost loops of a pass
+    over a batch (`batch_loops`) that run `cfg.num_iterations` times, or with
+    `pipeline_fsdp_ag_per_repeat` the loops of M iterations inside those of R blocks (the
+    drain, d*(S-1) iterations on the last window, is not counted: its body is the same
+    iteration)."""
+    loops = batch_loops(cost, cfg)
     if not cfg.pipeline_fsdp_ag_per_repeat:
-        return [(loop, None) for loop in cost.loops if loop.trip_count == cfg.num_iterations]
+        return [(loop, None) for loop in loops if loop.trip_count == cfg.num_iterations]
     return [
         (inner, loop)
-        for loop in cost.loops
+        for loop in loops
         if loop.trip_count == cfg.num_repeats
         for inner in loop.inner
         if inner.trip_count == cfg.num_microbatches

@@ -16,13 +16,17 @@ SPLIT_SALT = {"train": 1_000_003, "eval": 2_000_003}
 
 
 def synthetic_batch(
-    cfg: Config, mesh: Mesh, step: int = 0, split: str = "train"
+    cfg: Config, mesh: Mesh, step: int = 0, split: str = "train", rows: int | None = None
 ) -> dict[str, jax.Array]:
-    """`{'inputs', 'targets'}` int32 `[B, T]`, batch-sharded; targets are inputs shifted left.
+    """`{'inputs', 'targets'}` int32 `[rows, T]`, batch-sharded; targets are inputs shifted
+    left. `rows` by default: a train step's (`train_batch_size`, every batch it accumulates
+    over), or the model's batch (`global_batch_size`) for `eval`.
 
-    Deterministic in (seed, split, step); `eval` batches never repeat a `train` batch.
+    Deterministic in (seed, split, step, rows); `eval` batches never repeat a `train` batch.
     """
-    shape = (cfg.global_batch_size, cfg.max_target_length + 1)
+    if rows is None:
+        rows = cfg.train_batch_size if split == "train" else cfg.global_batch_size
+    shape = (rows, cfg.max_target_length + 1)
     seed = np.int32(cfg.seed + SPLIT_SALT[split])
     batch_sharding = sharding.named_sharding(
         axes.BATCH_LENGTH_EMBED[:2], mesh, cfg.logical_axis_rules

@@ -84,5 +84,8 @@ class RemoteDecoderPair(DecoderPair):
         )
         return RemoteSide(worker, framework)
 
+    def accumulation_records(self) -> list[dict]:
+        return []  # one step on the whole batch is a variant of a twin: in-process runs only
+
     def extra_roundtrip_records(self, source: str) -> list[dict]:
         return []  # the layout round trip runs the converters of this process, not the sides'

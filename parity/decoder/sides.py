@@ -20,7 +20,7 @@ from migrate.common import optim
 from migrate.common import sharding as sharding_lib
 from migrate.config.contract import Config
 from parity.analysis import compare
-from parity.decoder import drilldown, twins
+from parity.decoder import cost, drilldown, twins
 from parity.engine import compiles
 from parity.engine.side import DrillStage, ProgramArray, Run, Side, Trainer
 from parity.multiprocess import distributed
@@ -78,6 +78,13 @@ class DecoderSide(Side):
         weights: its shardings are pinned), or None."""
         return next((lowered for _, lowered, _ in self._programs.values()), None)
 
+    def step_batch(self) -> Any:
+        """What the train step is lowered for: the model's batch, or, where a step accumulates
+        gradients over several, the shape of a step's batch (`train_batch_size` rows)."""
+        if self.cfg.train_batch_size == self.cfg.global_batch_size:
+            return self.batch
+        return cost.abstract_batch(self.cfg, self.mesh)
+
     def _program(self, weights: Any) -> tuple[Any, Any, Any]:
         if id(weights) not in self._programs:
             params = self.step_params(weights)
@@ -85,7 +92,7 @@ class DecoderSide(Side):
             # A real optimizer state, not `jax.eval_shape`'s (which carries no shardings): a
             # step jitted without pinned shardings (tests/test_injected_bugs.py) must be
             # compiled for the arguments the train check will pass it.
-            lowered = step.lower(params, self.optimizer_state(params), self.batch)
+            lowered = step.lower(params, self.optimizer_state(params), self.step_batch())
             self._programs[id(weights)] = (weights, lowered, None)  # holds weights: ids stay
         return self._programs[id(weights)]
 

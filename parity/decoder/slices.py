@@ -19,6 +19,7 @@ from migrate.common import sharding
 from migrate.config.contract import Config
 from migrate.config.rules import MESH_AXES
 from parity.analysis import hlo
+from parity.decoder import cost as decoder_cost
 
 DIRECTIONS = ("forward", "backward")
 
@@ -101,7 +102,7 @@ def transfer_records(cfg: Config, costs: dict) -> tuple[list[dict], str]:
         for framework, cost in costs.items():
             found = sum(
                 c.dcn and c.kind == "collective-permute"
-                for loop in cost.loops
+                for loop in decoder_cost.batch_loops(cost, cfg)
                 if loop.trip_count == cfg.num_iterations and loop.direction == direction
                 for c in loop.collectives
             )
@@ -136,7 +137,7 @@ def permute_records(cfg: Config, mesh: Mesh, costs: dict) -> tuple[list[dict], s
         want = ring_boundaries(cfg, direction)
         for framework, cost in costs.items():
             hops: list[tuple[int, int]] = []
-            for loop in cost.loops:
+            for loop in decoder_cost.batch_loops(cost, cfg):
                 if loop.trip_count != cfg.num_iterations or loop.direction != direction:
                     continue
                 for c in loop.collectives:

@@ -211,9 +211,13 @@ REGISTRY: tuple[Check, ...] = (
             "`--steps` AdamW steps (global-norm clipping) of the jitted train steps, shardings "
             "pinned and the train state donated (each twin steps its own copy of the weights): "
             "loss, grad norm, every parameter and optimizer-state leaf per step; eval passes "
-            "before and after, which must leave the parameters untouched"
+            "before and after, which must leave the parameters untouched; with "
+            "`gradient_accumulation_steps` k > 1, also Linen's first step over k accumulated "
+            "batches against one step on all of them at once (loss, grad norm, AdamW's first "
+            "moments; "
+            "[docs/pipeline.md](docs/pipeline.md#11-gradient-accumulation))"
         ),
-        passes=("bit-exact"),
+        passes=("bit-exact; accumulation against one step: the pipeline's reshaped tier"),
     ),
     Check(
         "layers",

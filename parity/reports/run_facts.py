@@ -91,6 +91,7 @@ def twins_facts(
         "layers_per_stage": cfg.layers_per_stage,
         "num_devices": cfg.num_devices,
         "global_batch_size": cfg.global_batch_size,
+        "train_batch_size": cfg.train_batch_size,
     }
     return RunFacts(
         str(config_file),
