@@ -44,7 +44,7 @@ from parity.engine import registry, run_loop
 from parity.engine.pair import Pair, vacuity_problems
 from parity.engine.programs import PROGRAM_PRIMITIVES, count_primitives
 from parity.engine.registry import Check, Front, Need
-from parity.engine.result import EXIT_STATUS, CheckResult, errored, skipped
+from parity.engine.result import EXIT_STATUS, CheckResult, errored, skipped, with_note
 from parity.engine.side import Run
 from parity.module_pair import diagnosis, order, pair_args
 from parity.module_pair.calls import DEFAULT_COLLECTIONS, Call, Randomness, is_float, named
@@ -284,7 +284,7 @@ def _with_calls_not_run(result: CheckResult, pair: ModulePair) -> CheckResult:
         f"not run: {', '.join(left_out)} (own keys, see `random`; what it updates or sows is "
         "not compared, the calls after it start from the state before it)"
     )
-    return dataclasses.replace(result, message=f"{result.message}; {note}".lstrip("; "))
+    return with_note(result, note)
 
 
 def _with_renames(result: CheckResult, pair: ModulePair) -> CheckResult:

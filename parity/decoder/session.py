@@ -23,7 +23,13 @@ from parity.decoder.data import synthetic_batch
 from parity.decoder.sides import LinenDecoderSide, NNXDecoderSide
 from parity.engine.pair import SOURCES, Pair, lm_vacuity_problems
 from parity.engine.registry import Check, Front
-from parity.engine.result import CheckResult, exact_records, keyed_records, skipped
+from parity.engine.result import (
+    CheckResult,
+    exact_records,
+    keyed_records,
+    skipped,
+    with_note,
+)
 from parity.engine.side import Run
 from parity.multiprocess import distributed
 
@@ -237,10 +243,6 @@ MOE_ACCUMULATION_NOTE = (
 )
 
 
-def with_note(result: CheckResult, note: str) -> CheckResult:
-    return dataclasses.replace(result, message=f"{result.message}; {note}".lstrip("; "))
-
-
 def with_accumulation(
     result: CheckResult, records: list[dict], tol: compare.Tolerance
 ) -> CheckResult:
@@ -257,11 +259,11 @@ def with_accumulation(
         f"accumulated gradients {verdict} one step on the whole batch "
         f"(max_rel {worst:.3g}; {tol.reason})"
     )
-    return dataclasses.replace(
+    merged = dataclasses.replace(
         result,
         details=(*result.details, *records),
         passed=result.passed and not failing,
         where=failing[0]["tensor"] if failing and result.passed else result.where,
-        message=f"{result.message}; {summary}" if result.message else summary,
         status="",
     )
+    return with_note(merged, summary)

@@ -66,6 +66,11 @@ class CheckResult:
             raise ValueError(f"check {self.name}: status {self.status!r}, passed={self.passed}")
 
 
+def with_note(result: CheckResult, note: str) -> CheckResult:
+    """`result` with `note` appended to its message."""
+    return dataclasses.replace(result, message=f"{result.message}; {note}".lstrip("; "))
+
+
 def skipped(name: str, metric: str, tolerance: float, reason: str) -> CheckResult:
     """A check that does not apply to this pair (a config that does not pipeline): status
     `skipped`, which passes (exit 0) and is shown as skipped, never as a measured 0."""
