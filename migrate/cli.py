@@ -9,7 +9,7 @@
     migrate init --config=CONFIG --framework=linen|nnx DST [key=value ...]
             [--layout=pipeline|reference] [--force]
     migrate port MODULE:CLASS --inputs=SPEC [--out=DIR] [--call_kwargs=K=V,...;...]
-            [--names=linen|snake] [--force]
+            [--names=linen|snake] [--fields_from=MODULE:FUNCTION] [--force]
     (either: --verbose prints the traceback of an internal error; COMMAND --help: its help;
     --version: the versions)
 
@@ -48,7 +48,7 @@ from migrate.config.contract import Config, ConfigError
 from migrate.config.loading import load_config, parse_overrides, with_changes
 from migrate.errors import EXIT_FAIL, EXIT_INTERNAL, EXIT_PASS, EXIT_USAGE, BadInput
 from migrate.runtime import cli_help, cli_support, memory
-from migrate.runtime.devices import ensure_simulated_devices
+from migrate.runtime.devices import DEFAULT_DEVICES, ensure_simulated_devices
 
 COMMANDS = ("convert", "init", "compare", "port")
 FRAMEWORKS = ("linen", "nnx")
@@ -113,6 +113,13 @@ flags.DEFINE_enum(
     ("linen", "snake"),
     "port: the port's attribute names: Linen's own (Dense_0, the weight map the identity) or "
     "snake_case (dense_0, renames in the weight map).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_string(
+    "fields_from",
+    None,
+    "port: MODULE:FUNCTION returning the fields the module is built with, where they are not "
+    "literals (a config, a mesh); the written gate calls it too.",
     flag_values=FLAGS,
 )
 flags.DEFINE_boolean(
@@ -320,16 +327,22 @@ def _port(positional: Sequence[str]) -> int:
         return usage_error(f"port: expected MODULE:CLASS, got {list(positional)}")
     if not FLAGS.inputs:
         return usage_error("port: --inputs is required (e.g. --inputs=float32[4,8])")
-    from migrate.port import command as port_command
     from migrate.port import spec
 
     # Everything the command line says is checked before JAX starts.
     spec.parse_target(positional[0])
     spec.parse_inputs(FLAGS.inputs)
     spec.parse_call_kwargs(FLAGS.call_kwargs)
+    if FLAGS.fields_from is not None:
+        spec.parse_fields_from(FLAGS.fields_from, positional[0])
+    # A module built on a mesh (through --fields_from) finds the project's simulated devices.
+    ensure_simulated_devices(DEFAULT_DEVICES)
+    from migrate.port import command as port_command
+
     return port_command.run_command(
-        positional[0], FLAGS.inputs, FLAGS.out, FLAGS.call_kwargs, FLAGS.names, FLAGS.force
-    )
+        positional[0], FLAGS.inputs, FLAGS.out, FLAGS.call_kwargs, FLAGS.names, FLAGS.force,
+        FLAGS.fields_from,
+    )  # fmt: skip
 
 
 def _maxtext(command: str, paths: list[str], cfg: Config, changes: Mapping[str, Any]) -> int:

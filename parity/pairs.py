@@ -203,6 +203,7 @@ def compare_modules(
     if not isinstance(drill_down, bool):
         raise PairArgumentError(f"drill_down is {drill_down!r}; expected True or False")
     pair_args.unmapped_state(nnx_module, mapped)
+    pair_args.boxed_values(nnx_module)
     pair_args.on_mesh(nnx_module, mesh)
     pair_args.fit(linen_module, nnx_module, calls)
     common = {

@@ -151,3 +151,27 @@ def test_a_collection_with_its_own_variable_subclass_is_compared():
     )
     assert not failing(results), format_report(results)
     assert "linen-init/state/stats/ema" in {d["tensor"] for d in results[1].details}
+
+
+class LinenBoxed(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        init = nn.with_logical_partitioning(nn.initializers.ones, ("embed",))
+        return x * self.param("scale", init, (3,))
+
+
+class NNXBoxed(nnx.Module):
+    """A port that kept the Linen box: its Param holds a `LogicallyPartitioned`, no array."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        init = nn.with_logical_partitioning(nn.initializers.ones, ("embed",))
+        self.scale = nnx.Param(init(rngs.params(), (3,)))
+
+    def __call__(self, x):
+        return x * self.scale[...]
+
+
+def test_a_variable_holding_a_linen_box_is_refused_before_any_check():
+    """A setup mistake (exit 2, what to write instead), not an error of the harness (exit 4)."""
+    with pytest.raises(PairArgumentError, match="scale holds a Linen LogicallyPartitioned box"):
+        compare_modules(LinenBoxed(), NNXBoxed(nnx.Rngs(0)), (X,))

@@ -5,12 +5,13 @@ pytest file, and bad input refused in one line (exit 2)."""
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 
 import pytest
 from test_migrate_cli import migrate
 
-from migrate import cli
+from migrate import cli, errors
 from migrate.port import command
 
 MLP = '''
@@ -69,7 +70,7 @@ BRIDGED = """
 import flax.linen as nn
 
 
-class Gate(nn.Module):  # a user's own Linen layer: not translated in this step
+class Gate(nn.Module):  # a user's own Linen layer: ported with the module that builds it
     features: int
 
     @nn.compact
@@ -82,7 +83,74 @@ class Block(nn.Module):
     def __call__(self, x):
         x = nn.Dense(4, name="proj")(x)
         x = Gate(4, name="gate")(x)
-        return nn.Dense(2, name="out")(x)
+        x = Gate(x.shape[-1])(x)
+        y = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=4)(x[:, None, :])
+        return nn.Dense(2, name="out")(x + y[:, 0])
+"""
+
+SETUP = """
+import flax.linen as nn
+import jax.numpy as jnp
+
+
+class Scale(nn.Module):
+    features: int
+
+    def setup(self):
+        init = nn.with_logical_partitioning(nn.initializers.ones, ("embed",))
+        self.scale = self.param("scale", init, (self.features,))
+
+    def __call__(self, x):
+        return x * self.scale
+
+
+class Shift(nn.Module):
+    features: int
+
+    def setup(self):
+        self.shift = self.param("shift", nn.initializers.zeros, (self.features,))
+
+    def __call__(self, x):
+        return x + self.shift
+
+
+class Head(nn.Module):
+    \"\"\"Setup-style: a Linen layer sized by the trace, a user's class chosen by a field, a
+    parameter held under another attribute name, a second method reading it.\"\"\"
+
+    features: int = 6
+    shifted: bool = False
+
+    def setup(self):
+        # the projection, sized by the trace
+        self.proj = nn.Dense(self.features, use_bias=False)
+        self.post = Shift(self.features) if self.shifted else Scale(self.features)
+        self.w = self.param("bias", nn.initializers.normal(1.0), (self.features,))
+
+    def __call__(self, x):
+        return self.post(nn.relu(self.proj(x))) + self.w
+
+    def attend(self, y):
+        return y * self.w
+"""
+
+UNEVEN = """
+import flax.linen as nn
+
+
+class Gate(nn.Module):
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(self.features)(x)
+
+
+class Twice(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        y = Gate(3)(x)
+        return Gate(2)(y)
 """
 
 
@@ -166,22 +234,106 @@ def test_embed_norm_dense_general_and_a_param_and_the_written_test_passes(user_m
     test_file.test_port()
 
 
-def test_an_untranslated_submodule_is_a_bridged_stub_and_the_rest_passes(user_module, tmp_path):
+def test_a_users_own_class_is_ported_once_and_an_untranslated_layer_bridged(user_module, tmp_path):
+    """A user's Linen class built in the module is ported beside it (one NNX class, two
+    instances, the constructor argument computed in `__call__` written as its traced value);
+    a layer with no NNX form stays a marked `ToNNX` stub; the whole port passes its gate."""
     module = user_module("port_bridged", BRIDGED)
-    result = command.port(module.Block, "float32[3,5]", tmp_path)
+    result = command.port(module.Block, "float32[3,4]", tmp_path)
+    assert result.status == 0, result.gate.report
+    assert [(c.cls.__name__, c.instances) for c in result.classes] == [
+        ("Gate", (("gate",), ("Gate_0",))),
+        ("Block", ((),)),
+    ]
     assert [str(s) for s in result.stubs] == [
-        "line 17: Gate(...) (not a layer `migrate port` translates yet): bridged through "
-        "nnx.bridge.ToNNX; port it by hand"
+        "line 19: nn.MultiHeadDotProductAttention(...) (not a layer `migrate port` translates "
+        "yet): bridged through nnx.bridge.ToNNX; port it by hand"
     ]
     code = result.nnx_path.read_text()
-    assert "self.gate = nnx.bridge.ToNNX(Gate(4), rngs=rngs)" in code
-    assert "# migrate port: STUB (Linen line 17)" in code
-    assert "from port_bridged import Gate" in code
+    assert code.count("class Gate(nnx.Module):") == 1 and "from port_bridged import" not in code
+    assert "self.gate = Gate(4, rngs=rngs)" in code
+    assert "self.Gate_0 = Gate(features=4, rngs=rngs)" in code  # x.shape[-1], traced
+    assert "# migrate port: STUB (Linen line 19)" in code
+    assert "nnx.bridge.ToNNX(nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=4)" in code
+    assert "ported with it: Gate" in result.summary()
+
+
+def test_a_setup_style_module_ports_with_its_own_classes_and_renamed_parameter(
+    user_module, tmp_path
+):
+    """`setup` becomes `__init__` (comments kept): `nn.Dense` sized by the trace, the user's
+    class chosen by a field kept as a conditional (both branches ported, the untraced one
+    from its source alone), `with_logical_partitioning` as `out_sharding`, a parameter read
+    as a value in every method; `self.w = self.param("bias", ...)` gives a weight-map rename."""
+    module = user_module("port_setup", SETUP)
+    result = command.port(module.Head, "float32[2,5]", tmp_path)
     assert result.status == 0, result.gate.report
+    assert [c.cls.__name__ for c in result.classes] == ["Shift", "Scale", "Head"]
+    assert result.renames == {("bias",): ("w",)}
+    code = result.nnx_path.read_text()
+    assert "# the projection, sized by the trace" in code
+    assert (
+        "self.proj = nnx.Linear(5, out_features=self.features, use_bias=False, rngs=rngs)" in code
+    )
+    assert (
+        "self.post = Shift(self.features, rngs=rngs) if self.shifted "
+        "else Scale(self.features, rngs=rngs)"
+    ) in code
+    assert (
+        "self.scale = nnx.Param(nn.initializers.ones(rngs.params(), (self.features,)), "
+        'out_sharding=("embed",))'
+    ) in code
+    assert "return x * self.scale[...]" in code and "+ self.w[...]" in code
+    assert "def setup" not in code
+    entries = json.loads(result.weight_map_path.read_text())["entries"]
+    assert {"linen": "params/bias", "nnx": "w", "shape": [6], "dtype": "float32"} in entries
+    shifted = command.port(module.Head(shifted=True), "float32[2,5]", tmp_path / "shifted")
+    assert shifted.status == 0, shifted.gate.report
+    assert shifted.nnx_path.read_text() == code  # one port serves either branch
+
+
+def test_instances_needing_different_sizes_leave_their_class_bridged(user_module, tmp_path):
+    """Two instances of one class whose traced input sizes differ and match no field: the class
+    is not ported (its reason in the summary) and each site is bridged; the rest passes."""
+    module = user_module("port_uneven", UNEVEN)
+    result = command.port(module.Twice, "float32[2,5]", tmp_path)
+    assert result.status == 0, result.gate.report
+    gate_class = result.classes[0]
+    assert gate_class.emitted is None and "need different NNX code" in gate_class.refused
+    assert [s.line for s in result.stubs] == [16, 17]
+    assert "not ported: Gate (its instances at Gate_0 and Gate_1" in result.summary()
+
+
+@pytest.mark.parametrize(
+    "fields", ["llama2_tiny", pytest.param("mixtral_tiny", marks=pytest.mark.slow)]
+)
+def test_the_twins_decoder_layer_ports_to_a_passing_gate_with_no_stub(
+    tmp_path, monkeypatch, fields
+):
+    """The twins' Linen `DecoderLayer` (setup-style, its norm, attention, rotary, MLP or MoE
+    and dense layers the user's own, boxed parameters) is ported whole, from its file, to a
+    bit-exact gate on a shipped config and its mesh; the generated test passes too."""
+    from migrate.linen import layers
+
+    result = command.port(
+        layers.DecoderLayer, "float32[2,16,64];int32[2,16]", tmp_path,
+        fields_from=f"migrate.port.corpus:{fields}",
+    )  # fmt: skip
+    assert result.status == 0, result.gate.report
+    assert not result.stubs and result.renames == {}
+    hand = ["DenseGeneral", "RMSNorm", "RotaryEmbedding", "Attention", "MLP", "MoeBlock"]
+    assert sorted(c.cls.__name__ for c in result.classes) == sorted([*hand, "DecoderLayer"])
+    code = result.nnx_path.read_text()
+    assert "out_sharding=self.kernel_axes" in code and "from migrate.port.corpus" not in code
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for written in (result.test_path.stem, result.nnx_path.stem):
+        monkeypatch.delitem(sys.modules, written, raising=False)
+    test_file = command.importlib.import_module(result.test_path.stem)
+    test_file.test_port()
 
 
 def test_bad_input_exits_2_in_one_line(user_module, tmp_path, capsys):
-    user_module("port_ok", MLP)
+    module = user_module("port_ok", MLP)
     (tmp_path / "port_ok_nnx.py").write_text("# my own file\n")
     cases = [
         (("port", "no_such_module:MLP", "--inputs=float32[4,8]"), "cannot import no_such_module"),
@@ -192,6 +344,15 @@ def test_bad_input_exits_2_in_one_line(user_module, tmp_path, capsys):
             ("port", "port_ok:MLP", "--inputs=float32[4,8]", "--out=o", "--call_kwargs=nope=1"),
             "does not run on",
         ),  # fmt: skip,
+        (("port", "port_ok:MLP", "--inputs=float32[4,8]", "--fields_from=x"), "MODULE:FUNCTION"),
+        (
+            ("port", "port_ok:MLP", "--inputs=float32[4,8]", "--out=o", "--fields_from=os:getcwd"),
+            "returned str, not a mapping",
+        ),
+        (
+            ("port", "migrate.linen.layers:RMSNorm", "--inputs=float32[2,8]", "--out=o"),
+            "missing 1 required positional argument: 'config' (give the fields",
+        ),
     ]
     for args, message in cases:
         assert migrate(*args) == cli.EXIT_USAGE, args
@@ -199,3 +360,10 @@ def test_bad_input_exits_2_in_one_line(user_module, tmp_path, capsys):
         assert message in err and len(err.strip().splitlines()) == 1, err
     assert (tmp_path / "port_ok_nnx.py").read_text() == "# my own file\n"
     assert not (tmp_path / "o").exists()
+    from migrate.config.loading import load_config, resolve
+    from migrate.linen import layers
+
+    with pytest.raises(errors.BadInput, match="field config is not a literal the gate can write"):
+        command.port(layers.RMSNorm(load_config(resolve("llama2-tiny"))), "float32[2,64]", "o")
+    with pytest.raises(errors.BadInput, match="fields_from is given with a module instance"):
+        command.port(module.MLP(), "float32[4,8]", "o", fields_from="os:environ")

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from migrate.errors import BadInput
-from migrate.port import emit, gate_file, spec, trace, weights
+from migrate.port import emit, gate_file, model, spec, trace, weights
 from migrate.port import source as src
+from migrate.port.layers import literal
 
 NAMES = ("linen", "snake")  # attribute names: Linen's own (identity map), or snake_case
 
@@ -39,11 +40,12 @@ class PortResult:
     nnx_path: Path
     weight_map_path: Path
     test_path: Path
-    placed: tuple[emit.Placed, ...]
-    stubs: tuple[emit.Stub, ...]
+    placed: tuple[emit.Placed, ...]  # the root class's submodules and parameters
+    stubs: tuple[emit.Stub, ...]  # every class's
     renames: Mapping[tuple[str, ...], tuple[str, ...]]
     gate: Gate | None
     seconds: Mapping[str, float]
+    classes: tuple[model.ClassPort, ...] = ()  # bottom-up, the root last
 
     @property
     def status(self) -> int:
@@ -57,6 +59,12 @@ class PortResult:
         lines.append(
             f"  weight map: {'identity' if not self.renames else f'renames={dict(self.renames)!r}'}"
         )
+        own = [c.cls.__name__ for c in self.classes[:-1] if c.emitted is not None]
+        if own:
+            lines.append(f"  ported with it: {', '.join(own)}")
+        lines += [
+            f"  not ported: {c.cls.__name__} ({c.refused})" for c in self.classes if c.refused
+        ]
         lines += [f"  stub: {s}" for s in self.stubs] or ["  stubs: none"]
         lines.append("  time: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.seconds.items()))
         if self.gate is not None:
@@ -105,7 +113,8 @@ def check_destinations(paths: Sequence[Path], force: bool) -> None:
 
 
 def _instance(module: Any) -> tuple[type, dict[str, Any]]:
-    """The class and the field values a port is built and gated with."""
+    """The class and the field values a port is built and gated with (those set away from
+    their defaults)."""
     import flax.linen as nn
 
     if isinstance(module, nn.Module):
@@ -119,6 +128,19 @@ def _instance(module: Any) -> tuple[type, dict[str, Any]]:
     return module, {}
 
 
+def _fields_from(target: str) -> dict[str, Any]:
+    """`MODULE:FUNCTION`'s fields: the function called with no arguments returns a mapping."""
+    module_name, function_name = spec.parse_fields_from(target, "m:C")
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+        fields = function()
+    except Exception as error:
+        raise BadInput(f"fields_from={target}: {type(error).__name__}: {error}") from None
+    if not isinstance(fields, Mapping):
+        raise BadInput(f"fields_from={target} returned {type(fields).__name__}, not a mapping")
+    return dict(fields)
+
+
 def port(
     module: Any,
     inputs: Any,
@@ -128,6 +150,7 @@ def port(
     names: str = "linen",
     force: bool = False,
     run_gate: bool = True,
+    fields_from: str | None = None,
 ) -> PortResult:
     """Write the NNX port of `module` (a Linen class or instance of one with its fields set)
     into `out_dir` and gate it: `<module>_nnx.py`, `<module>_weight_map.json`,
@@ -135,17 +158,28 @@ def port(
 
     `inputs`: a SPEC (`"float32[4,8];int32[4]"`), or arrays / shape-dtype structs, one per
     positional argument; `call_kwargs`: the keyword arguments of each call the gate makes
-    (the first one traced for the structure). BadInput (exit 2) for what cannot be ported.
+    (the first one traced for the structure); `fields_from`: `MODULE:FUNCTION` returning the
+    fields the module is built with, where they are not literals (a config, a mesh), for the
+    port and its written gate. BadInput (exit 2) for what cannot be ported.
     """
     import flax.linen as nn
 
     if names not in NAMES:
         raise BadInput(f"names={names!r}; expected one of {', '.join(NAMES)}")
     cls, fields = _instance(module)
-    if isinstance(cls, type) and issubclass(cls, nn.Module):
-        instance = module if isinstance(module, nn.Module) else _build(cls, fields)
-    else:
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise BadInput(f"{module!r} is not a Linen module class or instance")
+    if fields_from is not None:
+        if isinstance(module, nn.Module):
+            raise BadInput("fields_from is given with a module instance: give its class")
+        fields = _fields_from(fields_from)
+    unwritten = sorted(k for k, v in fields.items() if literal(v) is None)
+    if unwritten and fields_from is None:
+        raise BadInput(
+            f"{cls.__name__}'s field {unwritten[0]} is not a literal the gate can write: "
+            "give fields_from=MODULE:FUNCTION returning the fields"
+        )
+    instance = module if isinstance(module, nn.Module) else _build(cls, fields)
     if "<locals>" in cls.__qualname__:
         raise BadInput(
             f"{cls.__qualname__} is defined inside a function: the gate cannot import it"
@@ -153,7 +187,7 @@ def port(
     specs = _specs(inputs)
     calls = list(call_kwargs) or [{}]
     started = time.perf_counter()
-    source = src.read(cls)
+    src.read(cls)  # a root that cannot be read is refused before the trace
     arrays = _arrays(specs)
     traces = []
     for kwargs in calls:
@@ -164,8 +198,9 @@ def port(
             raise BadInput(f"{cls.__name__} does not run on {'; '.join(map(str, specs))} "
                            f"with {kwargs}: {type(error).__name__}: {first}") from None  # fmt: skip
     traced = time.perf_counter()
-    written = emit.emit(source, traces[0], names)
-    mapped = weights.build(traces[0], written.placed)
+    tree = model.port_tree(cls, traces[0], names)
+    placed_at = tree.placed_at()
+    mapped = weights.build(traces[0], placed_at)
 
     base = _module_name(cls.__module__)
     out = Path(out_dir)
@@ -173,15 +208,15 @@ def port(
     check_destinations(paths, force)
     origin = f"{cls.__module__}.{cls.__qualname__}"
     bound = min(
-        [c.attributes["num_embeddings"] for c in traces[0].children if c.cls is nn.Embed]
+        [c.attributes["num_embeddings"] for c in traces[0].nodes.values() if c.cls is nn.Embed]
         + [gate_file.INT_BOUND]
     )
     gate_spec = gate_file.GateSpec(
         cls.__module__, cls.__name__, paths[0].stem, fields, specs, calls,
-        [t.stochastic for t in traces], mapped.renames, bound,
+        [t.stochastic for t in traces], mapped.renames, bound, fields_from,
     )  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    paths[0].write_text(f"{emit.HEADER} from {origin}: its NNX port.\n{written.code}")
+    paths[0].write_text(f"{emit.HEADER} from {origin}: its NNX port.\n{tree.code}")
     paths[1].write_text(mapped.to_json(origin, f"{paths[0].stem}.{cls.__name__}") + "\n")
     test_header = f"{emit.HEADER} from {origin}: the gate of {paths[0].name}.\n"
     paths[2].write_text(gate_file.render(gate_spec, test_header))
@@ -190,14 +225,19 @@ def port(
     seconds = {"trace": traced - started, "write": emitted - traced}
     if run_gate:
         seconds["gate"] = time.perf_counter() - emitted
-    return PortResult(*paths, written.placed, written.stubs, mapped.renames, gate, seconds)
+    stubs = tuple(s for _, s in tree.stubs)
+    placed = tree.root.emitted.placed
+    return PortResult(*paths, placed, stubs, mapped.renames, gate, seconds, tree.classes)
 
 
 def _build(cls: type, fields: Mapping[str, Any]) -> Any:
     try:
         return cls(**fields)
     except TypeError as error:
-        raise BadInput(f"{cls.__name__}({', '.join(fields)}): {error}") from None
+        raise BadInput(
+            f"{cls.__name__}({', '.join(fields)}): {error} (give the fields as "
+            "CLASS(field=literal, ...) or through fields_from=MODULE:FUNCTION)"
+        ) from None
 
 
 def run_written_gate(test_path: Path) -> Gate:
@@ -225,6 +265,7 @@ def run_command(
     call_kwargs: str | None,
     names: str,
     force: bool,
+    fields_from: str | None = None,
 ) -> int:
     """`migrate port TARGET --inputs=SPEC`: the port written and gated, its summary printed;
     exit 0 the gate passes, 1 it fails (BadInput propagates: exit 2)."""
@@ -241,6 +282,9 @@ def run_command(
     if cls is None:
         raise BadInput(f"{module_name} has no {class_name}")
     instance = _build(cls, fields) if fields else cls
-    result = port(instance, specs, out_dir, call_kwargs=calls, names=names, force=force)
+    result = port(
+        instance, specs, out_dir, call_kwargs=calls, names=names, force=force,
+        fields_from=fields_from,
+    )  # fmt: skip
     print(result.summary())
     return result.status

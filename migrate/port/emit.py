@@ -1,15 +1,18 @@
-"""The NNX module's source: each traced submodule planned as an NNX layer (or bridged through
-`nnx.bridge.ToNNX`, a marked stub), `__init__(self, <fields>, *, rngs)` written with their
-concrete input sizes, and the Linen `__call__` rewritten around them (`source.rewrite_call`)."""
+"""One NNX class written from one Linen class: each traced submodule planned as an NNX layer,
+as the port of a user's own class, or bridged through `nnx.bridge.ToNNX` (a marked stub);
+`__init__(self, <fields>, *, rngs)` written with their concrete input sizes (a compact
+module's constructors moved there, a `setup` body inlined there), and every method rewritten
+around them (`source.rewrite`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
 import re
-import types
+from collections.abc import Collection, Mapping
 from typing import Any
 
+import flax.linen as nn
 import libcst as cst
 
 from migrate.port import source as src
@@ -18,6 +21,7 @@ from migrate.port.trace import Child, Trace
 
 HEADER = "# Written by `migrate port`"  # the first line of every file it writes
 STUB = "migrate port: STUB"
+PARTITIONING = {nn.with_logical_partitioning, nn.with_partitioning}  # -> `out_sharding=`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +47,7 @@ class Placed:
 
 @dataclasses.dataclass(frozen=True)
 class Emitted:
-    """The NNX module's source and what it holds."""
+    """One NNX class's source and what it holds."""
 
     code: str
     placed: tuple[Placed, ...]
@@ -55,7 +59,7 @@ def snake(name: str) -> str:
     return re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower()
 
 
-def _code(node: cst.CSTNode) -> str:
+def code_of(node: cst.CSTNode) -> str:
     return cst.Module(body=[]).code_for_node(node)
 
 
@@ -63,22 +67,48 @@ def _fields(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.init and f.name not in ("parent", "name")]
 
 
+def _without_name(node: cst.Call) -> list[cst.Arg]:
+    return [a for a in node.args if not (a.keyword and a.keyword.value == "name")]
+
+
 class _Planner:
-    def __init__(self, source: src.ClassSource, trace: Trace, names: str) -> None:
+    def __init__(
+        self,
+        source: src.ClassSource,
+        trace: Trace | None,
+        names: str,
+        ported: Collection[type],
+        refused: Mapping[type, str],
+    ) -> None:
         self.source, self.trace, self.names = source, trace, names
+        self.ported, self.refused = ported, refused
         self.scope = vars(source.module)
         self.init_lines: list[str] = []
         self.edits: dict[int, src.CallEdit] = {}
         self.self_edits: dict[int, src.SelfEdit] = {}
+        self.param_reads: set[str] = set()
+        self.dropped: set[int] = set()  # statements left out: `init = nn.with_...(f, names)`
+        body = source.call if source.style == "compact" else source.setup
+        self.locals = src.locals_of(body) if body is not None else {}
         self.placed: list[Placed] = []
         self.stubs: list[Stub] = []
 
     def attribute(self, linen_name: str) -> str:
         return linen_name if self.names == "linen" else snake(linen_name)
 
-    # Submodules ----------------------------------------------------------------------------
+    def static(self, node: cst.CSTNode) -> bool:
+        """Whether `__init__` can evaluate `node` (in `setup`, everything can)."""
+        return self.source.style == "setup" or src.is_static(node, self.scope)
 
-    def sites(self) -> None:
+    def size(self, value: int | tuple[int, ...]) -> str:
+        """A traced size, through the module's own field where one holds it."""
+        fields = self.trace.module.attributes if self.trace is not None else {}
+        own = next((k for k, v in fields.items() if type(v) is type(value) and v == value), None)
+        return f"self.{own}" if own is not None else repr(value)
+
+    # Submodules of a compact __call__ ------------------------------------------------------
+
+    def compact_sites(self) -> None:
         sites, children = self.source.sites, self.trace.children
         looped = next((s for s in sites if s.in_loop), None)
         if looped is not None:
@@ -94,49 +124,112 @@ class _Planner:
         for site, child in zip(sites, children, strict=True):
             if site.explicit_name not in (None, child.name):
                 raise src.PortError(f"line {site.line}: the trace names it {child.name}")
-            self.site(site, child)
+            attr = self.attribute(child.name)
+            expression, form = self.constructor(site, child)
+            if expression is None:
+                self.init_lines.append(f"self.{attr} = {form}")
+                form = "stub"
+            else:
+                self.init_lines.append(f"self.{attr} = {expression}")
+            self.edits[id(site.node)] = src.CallEdit(attr, *self.call_changes(site))
+            self.placed.append(Placed(child.name, attr, form))
 
-    def site(self, site: src.Site, child: Child) -> None:
-        attr = self.attribute(child.name)
-        layer = LAYERS.get(site.target) if site.target is not None else None
+    # Submodules made in setup --------------------------------------------------------------
+
+    def setup_sites(self) -> None:
+        names: dict[str, Placed] = {}
+        for site in self.source.sites:
+            if site.in_loop:
+                raise src.PortError(f"line {site.line}: a submodule made in a loop in setup")
+            if site.assigned is None:
+                raise src.PortError(f"line {site.line}: a submodule not assigned to self.NAME")
+            child = self.trace.child(site.assigned) if self.trace is not None else None
+            if child is not None and site.target is not None and child.cls is not site.target:
+                child = None  # the branch the trace did not take
+            expression, form = self.constructor(site, child)
+            if expression is None:
+                comment = form.split("# ", 1)[1]
+                self.self_edits[id(site.node)] = src.SelfEdit(cst.Name("None"), comment)
+                form = "stub"
+            else:
+                self.self_edits[id(site.node)] = src.SelfEdit(cst.parse_expression(expression))
+            if child is not None or site.assigned not in names:
+                names[site.assigned] = Placed(site.assigned, site.assigned, form)
+        self.placed += names.values()
+
+    # One constructor -----------------------------------------------------------------------
+
+    def constructor(self, site: src.Site, child: Child | None) -> tuple[str | None, str]:
+        """The NNX expression that builds `site` and its form (None and the stub's text where
+        it cannot be built)."""
+        target = site.target
+        if target is not None and target in self.ported:
+            return self.own(site, child, target)
+        layer = LAYERS.get(target) if target is not None else None
         why = "not a layer `migrate port` translates yet" if layer is None else None
+        if target in self.refused:
+            why = f"not ported: {self.refused[target]}"
         if layer is not None:
-            why = self.layer(site, child, attr, layer)
-            if why is None:
-                return
-        self.bridge(site, child, attr, why)
+            if child is None or not child.called:
+                why = "never traced: its input size is unknown"
+            else:
+                expression, why = self.layer(site, child, layer)
+                if expression is not None:
+                    return expression, layer.label
+        return self.bridge(site, child, why)
 
-    def layer(self, site: src.Site, child: Child, attr: str, layer: Layer) -> str | None:
-        """Plan `site` as `layer`'s NNX form; the reason it cannot be (None: planned)."""
+    def own(self, site: src.Site, child: Child | None, target: type) -> tuple[str | None, str]:
+        """`TARGET(arguments, rngs=rngs)`: the port of a user's class, its arguments as written
+        where `__init__` can evaluate them, their traced values (as keywords) otherwise."""
+        args = _without_name(site.node)
+        if any(a.star for a in args):
+            return self.stub(site, "*args or **kwargs in its constructor")
+        if all(self.static(a.value) for a in args):
+            written = [code_of(a.with_changes(comma=cst.MaybeSentinel.DEFAULT)) for a in args]
+        elif child is None:
+            return self.stub(site, "reads values of __call__ and is never traced")
+        else:
+            written = []
+            for i, arg in enumerate(args):
+                field = arg.keyword.value if arg.keyword else _fields(target)[i]
+                text = code_of(arg.value) if self.static(arg.value) else None
+                text = text or literal(child.attributes.get(field))
+                if text is None:
+                    return self.stub(site, f"{field}= reads values of __call__, not a literal")
+                written.append(f"{field}={text}")
+        return f"{target.__name__}({', '.join([*written, 'rngs=rngs'])})", (
+            f"{target.__name__} (ported)"
+        )
+
+    def layer(self, site: src.Site, child: Child, layer: Layer) -> tuple[str | None, str | None]:
+        """`nnx.LAYER(sizes, arguments, rngs=rngs)` for `site`, or None and the reason it
+        cannot be."""
         refusal = layer.refusal(child.attributes)
         if refusal is not None:
-            return refusal
-        if not child.called:
-            return "never called: its input size is unknown"
+            return None, refusal
         order = _fields(layer.linen)
         given: dict[str, cst.BaseExpression] = {}
         for i, arg in enumerate(site.node.args):
             if arg.star:
-                return "*args or **kwargs in its constructor"
+                return None, "*args or **kwargs in its constructor"
             field = arg.keyword.value if arg.keyword else order[i]
             if field != "name":
                 given[field] = arg.value
         carried = layer.carried()
         parameters = layer.nnx_parameters()
         init_args: dict[str, str] = {}
-        call_args: list[tuple[str, cst.BaseExpression]] = []
         for field, value in given.items():
             if field not in carried:
-                return f"{field}= has no NNX argument"
+                return None, f"{field}= has no NNX argument"
             nnx_name = layer.renamed.get(field, field)
-            if src.is_static(value, self.scope):
-                init_args[nnx_name] = _code(value)
+            if self.static(value):
+                init_args[nnx_name] = code_of(value)
             elif field in layer.at_call and site.called is not None:
-                call_args.append((nnx_name, value))
+                continue  # moved to the call (`call_changes`)
             else:  # computed in __call__: its traced value
                 traced = literal(child.attributes[field])
                 if traced is None:
-                    return f"{field}= is computed in __call__ and not a literal"
+                    return None, f"{field}= is computed in __call__ and not a literal"
                 init_args[nnx_name] = traced
         for field in sorted(carried - set(given)):
             nnx_name = layer.renamed.get(field, field)
@@ -147,39 +240,49 @@ class _Planner:
                 continue
             if default is inspect.Parameter.empty or not _same(value, default):
                 init_args[nnx_name] = text
-        sizes = layer.sizes(child.inputs[0], child.attributes)
+        sizes = [self.size(s) for s in layer.sizes(child.inputs[0], child.attributes)]
         args = [*sizes, *(f"{k}={v}" for k, v in init_args.items()), "rngs=rngs"]
-        self.init_lines.append(f"self.{attr} = nnx.{layer.nnx.__name__}({', '.join(args)})")
-        self.edits[id(site.node)] = src.CallEdit(attr, tuple(call_args), layer.call_renamed)
-        self.placed.append(Placed(child.name, attr, layer.label))
-        return None
+        return f"nnx.{layer.nnx.__name__}({', '.join(args)})", None
 
-    def bridge(self, site: src.Site, child: Child, attr: str, why: str) -> None:
+    def call_changes(self, site: src.Site) -> tuple[tuple, Mapping[str, str]]:
+        """The keyword arguments a compact site's call takes in NNX (`deterministic=` moved
+        from the constructor), and the call's keywords renamed (`rng` -> `rngs`)."""
+        layer = LAYERS.get(site.target) if site.target is not None else None
+        if layer is None or site.called is None:
+            return (), {}
+        moved = []
+        for i, arg in enumerate(site.node.args):
+            field = arg.keyword.value if arg.keyword else _fields(layer.linen)[i]
+            if field in layer.at_call and not src.is_static(arg.value, self.scope):
+                moved.append((layer.renamed.get(field, field), arg.value))
+        return tuple(moved), layer.call_renamed
+
+    def stub(self, site: src.Site, note: str) -> tuple[None, str]:
+        idiom = f"{code_of(site.node.func)}(...)"
+        self.stubs.append(Stub(site.line, idiom, f"{note}: port it by hand"))
+        return None, f"None  # {STUB} (Linen line {site.line}): {idiom}: {note}"
+
+    def bridge(
+        self, site: src.Site, child: Child | None, why: str | None
+    ) -> tuple[str | None, str]:
         """`site` as the Linen module itself inside `nnx.bridge.ToNNX`, initialised on its
         traced inputs: a marked stub."""
-        what = _code(site.node.func)
+        what = code_of(site.node.func)
         idiom = f"{what}(...) ({why})" if site.target is not None else f"{what}(...)"
-        kept = [a for a in site.node.args if not (a.keyword and a.keyword.value == "name")]
-        linen = _code(site.node.with_changes(args=src.commas(kept)))
-        inputs = [_example(x) for x in child.inputs]
-        kwargs = [f"{k}={literal(v)}" for k, v in child.literal_kwargs.items()]
-        if not src.is_static(site.node, self.scope) or None in inputs or not child.called:
+        linen = code_of(site.node.with_changes(args=src.commas(_without_name(site.node))))
+        inputs = [_example(x) for x in child.inputs] if child is not None else [None]
+        kwargs = [f"{k}={literal(v)}" for k, v in child.literal_kwargs.items()] if child else []
+        if not self.static(site.node) or None in inputs or child is None or not child.called:
             note = "reads values of __call__ or is never called: port it by hand"
-            self.init_lines += [
-                f"# {STUB} (Linen line {site.line}): {idiom}: {note}",
-                f"self.{attr} = None",
-            ]
             self.stubs.append(Stub(site.line, idiom, note))
-        else:
-            note = "bridged through nnx.bridge.ToNNX; port it by hand"
-            self.init_lines += [
-                f"# {STUB} (Linen line {site.line}): {idiom}: {note}",
-                f"self.{attr} = nnx.bridge.ToNNX({linen}, rngs=rngs)",
-                f"nnx.bridge.lazy_init(self.{attr}, {', '.join([*inputs, *kwargs])})",
-            ]
-            self.stubs.append(Stub(site.line, idiom, note))
-        self.edits[id(site.node)] = src.CallEdit(attr)
-        self.placed.append(Placed(child.name, attr, "bridged (nnx.bridge.ToNNX)"))
+            return None, f"None  # {STUB} (Linen line {site.line}): {idiom}: {note}"
+        note = "bridged through nnx.bridge.ToNNX; port it by hand"
+        self.stubs.append(Stub(site.line, idiom, note))
+        if self.source.style == "compact":
+            self.init_lines.append(f"# {STUB} (Linen line {site.line}): {idiom}: {note}")
+        bridged = f"nnx.bridge.ToNNX({linen}, rngs=rngs)"
+        expression = f"nnx.bridge.lazy_init({', '.join([bridged, *inputs, *kwargs])})"
+        return expression, "bridged (nnx.bridge.ToNNX)"
 
     # self.param, self.sow and the rest of Linen's own methods -------------------------------
 
@@ -203,23 +306,35 @@ class _Planner:
         name = args[0].value if args else None
         if not isinstance(name, cst.SimpleString) or len(args) < 2:
             return self.mark(call, "self.param", "a computed name: port it by hand")
-        attr = name.evaluated_value
-        shape = self.trace.variables.get("params", {}).get((attr,))
+        linen_name = name.evaluated_value
+        setup = self.source.style == "setup"
+        if setup and call.assigned is None:
+            return self.mark(call, "self.param", "not assigned to self.NAME in setup")
+        attr = call.assigned if setup else linen_name
+        variables = self.trace.variables.get("params", {}) if self.trace is not None else {}
+        shape = variables.get((linen_name,))
         parts = ["rngs.params()"]
         for i, arg in enumerate(args[2:]):
-            if src.is_static(arg.value, self.scope):
-                parts.append(_code(arg.with_changes(comma=cst.MaybeSentinel.DEFAULT)))
+            if self.static(arg.value):
+                parts.append(code_of(arg.with_changes(comma=cst.MaybeSentinel.DEFAULT)))
             elif i == 0 and shape is not None:
                 parts.append(repr(tuple(shape.shape)))
             else:
                 return self.mark(call, "self.param", "its arguments read values of __call__")
-        if not src.is_static(args[1].value, self.scope):
+        if not self.static(args[1].value):
             return self.mark(call, "self.param", "its initializer reads values of __call__")
-        init = _code(args[1].value)
-        self.init_lines.append(f"self.{attr} = nnx.Param({init}({', '.join(parts)}))")
-        read = cst.parse_expression(f"self.{attr}[...]")
-        self.self_edits[id(call.node)] = src.SelfEdit(read)
-        self.placed.append(Placed(attr, attr, "self.param -> nnx.Param"))
+        init, sharding = self.initializer(args[1].value)
+        value = f"{init}({', '.join(parts)})"
+        sharded = f", out_sharding={sharding}" if sharding else ""
+        if setup:
+            expression = f"nnx.Param({value}{sharded})"
+            self.self_edits[id(call.node)] = src.SelfEdit(cst.parse_expression(expression))
+            self.param_reads.add(attr)
+        else:
+            self.init_lines.append(f"self.{attr} = nnx.Param({value}{sharded})")
+            read = cst.parse_expression(f"self.{attr}[...]")
+            self.self_edits[id(call.node)] = src.SelfEdit(read)
+        self.placed.append(Placed(linen_name, attr, "self.param -> nnx.Param"))
 
     def sow(self, call: src.SelfCall) -> None:
         args = call.node.args
@@ -228,6 +343,38 @@ class _Planner:
             return self.mark(call, "self.sow", "a collection other than intermediates")
         changed = [args[0].with_changes(value=cst.parse_expression("nnx.Intermediate")), *args[1:]]
         self.self_edits[id(call.node)] = src.SelfEdit(call.node.with_changes(args=changed))
+
+    def initializer(self, init: cst.BaseExpression) -> tuple[str, str | None]:
+        """`nn.with_logical_partitioning(fn, names)` -> (`fn`, `names`): the initializer and
+        the `out_sharding` metadata the NNX Param carries, also through a local assigned
+        once (`init = nn.with_logical_partitioning(...)`, left out where nothing else reads
+        it); any other initializer as written."""
+        local = self.locals.get(init.value) if isinstance(init, cst.Name) else None
+        partitioned = _partitioned(local.value if local else init, self.scope)
+        if partitioned is None:
+            return code_of(init), None
+        if local is not None:
+            uses = sum(
+                1
+                for c in self.source.self_calls
+                if c.method == "param" and len(c.node.args) > 1
+                and isinstance(c.node.args[1].value, cst.Name)
+                and c.node.args[1].value.value == init.value
+            )  # fmt: skip
+            if uses == local.reads:
+                self.dropped.add(id(local.statement))
+        return partitioned
+
+
+def _partitioned(init: cst.BaseExpression, scope: Mapping[str, Any]) -> tuple[str, str] | None:
+    if (
+        isinstance(init, cst.Call)
+        and src.resolve(init.func, scope) in PARTITIONING
+        and len(init.args) == 2
+        and not any(a.keyword for a in init.args)
+    ):
+        return code_of(init.args[0].value), code_of(init.args[1].value)
+    return None
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -243,75 +390,105 @@ def _example(x: Any) -> str | None:
     return f"jnp.zeros({tuple(x.shape)!r}, jnp.{x.dtype.name})"
 
 
-def _init(source: src.ClassSource, lines: list[str]) -> cst.FunctionDef:
-    """`__init__(self, <fields>, *, rngs)`: each field kept as an attribute, then `lines`."""
+def _init(
+    source: src.ClassSource, lines: list[str], setup: cst.FunctionDef | None
+) -> cst.FunctionDef:
+    """`__init__(self, <fields>, *, rngs)`: each field kept as an attribute, then `lines` (a
+    compact module's constructors) or the `setup` body as rewritten."""
     params = [
-        _code(f.target) + ": " + _code(f.annotation.annotation)
-        + (f" = {_code(f.value)}" if f.value is not None else "")
+        code_of(f.target) + ": " + code_of(f.annotation.annotation)
+        + (f" = {code_of(f.value)}" if f.value is not None else "")
         for f in source.fields
     ]  # fmt: skip
-    names = [_code(f.target) for f in source.fields]
+    names = [code_of(f.target) for f in source.fields]
     signature = ", ".join(["self", *params, "*", "rngs: nnx.Rngs"])
     body = [f"self.{n} = {n}" for n in names] + lines
     text = f"def __init__({signature}):\n" + "".join(f"    {line}\n" for line in body or ["pass"])
-    return cst.parse_statement(text)
+    init = cst.parse_statement(text)
+    if setup is None:
+        return init
+    statements = [s for s in init.body.body if body] + list(setup.body.body)
+    docstring = _docstring(statements)
+    if docstring is not None:  # setup's docstring first
+        statements = [docstring] + [s for s in statements if s is not docstring]
+    return init.with_changes(body=init.body.with_changes(body=statements))
 
 
-def emit(source: src.ClassSource, trace: Trace, names: str = "linen") -> Emitted:
-    """The NNX module file's source for `source`, planned against `trace`."""
-    planner = _Planner(source, trace, names)
-    planner.sites()
+def _docstring(statements: list[cst.BaseStatement]) -> cst.BaseStatement | None:
+    for s in statements:
+        if (
+            isinstance(s, cst.SimpleStatementLine)
+            and isinstance(s.body[0], cst.Expr)
+            and isinstance(s.body[0].value, cst.SimpleString | cst.ConcatenatedString)
+        ):
+            return s
+    return None
+
+
+def emit(
+    source: src.ClassSource,
+    trace: Trace | None,
+    names: str = "linen",
+    ported: Collection[type] = (),
+    refused: Mapping[type, str] | None = None,
+) -> Emitted:
+    """The NNX class for `source`, planned against `trace` (None: a class the trace never
+    built, ported from its source alone); `ported`: the user's classes ported beside it,
+    `refused`: those that could not be, and why (their sites are bridged)."""
+    planner = _Planner(source, trace, names, ported, refused or {})
+    if source.style == "compact":
+        if trace is None:
+            raise src.PortError(f"{source.cls.__name__}: compact and never traced")
+        planner.compact_sites()
+    elif source.style == "setup":
+        planner.setup_sites()
     planner.self_calls()
     taken = [p.attribute for p in planner.placed]
     clash = sorted({a for a in taken if taken.count(a) > 1} | (set(taken) & _own(source)))
     if clash:
         raise src.PortError(f"attribute names collide in the port: {', '.join(clash)}")
-    call = src.rewrite_call(source, planner.edits, planner.self_edits)
-    init = _init(source, planner.init_lines)
-    body = []
+    reads = frozenset(planner.param_reads)
+    setup = None
+    if source.setup is not None:
+        dropped = frozenset(planner.dropped)
+        setup = src.rewrite(source, source.setup, {}, planner.self_edits, dropped=dropped)
+    init = _init(source, planner.init_lines, setup)
+    body: list[cst.CSTNode] = []
+    placed_init = False
     for statement in source.class_def.body.body:
         if isinstance(statement, cst.SimpleStatementLine) and any(
             statement.body[0] is f for f in source.fields
         ):
             continue
-        if statement is source.call:
-            blank = [cst.EmptyLine()] if body else []
-            body += [init.with_changes(leading_lines=blank), call]
-            if not call.leading_lines:
-                body[-1] = call.with_changes(leading_lines=[cst.EmptyLine()])
+        if isinstance(statement, cst.FunctionDef) and statement.name.value == "setup":
+            continue
+        if isinstance(statement, cst.FunctionDef):
+            if not placed_init:  # `__init__` before the first method
+                body.append(init.with_changes(leading_lines=_blank(body)))
+                placed_init = True
+            own_call = statement is source.call
+            edits = planner.edits if own_call else {}
+            dropped = frozenset(planner.dropped) if own_call else frozenset()
+            method = src.rewrite(source, statement, edits, planner.self_edits, reads, dropped)
+            if not method.leading_lines:
+                method = method.with_changes(leading_lines=_blank(body))
+            body.append(method)
         else:
             body.append(statement)
+    if not placed_init:
+        body.append(init.with_changes(leading_lines=_blank(body)))
     nnx_base = cst.Arg(cst.parse_expression("nnx.Module"))
     class_def = source.class_def.with_changes(
         bases=[nnx_base], body=source.class_def.body.with_changes(body=body), decorators=[]
     )
-    class_code = cst.Module(body=[class_def]).code
-    head = _imports(source, class_def)
-    code = f"{head}\n\n\n{class_code}"
+    code = cst.Module(body=[class_def]).code
     return Emitted(code, tuple(planner.placed), tuple(planner.stubs))
+
+
+def _blank(before: list[cst.CSTNode]) -> list[cst.EmptyLine]:
+    return [cst.EmptyLine(indent=False)] if before else []
 
 
 def _own(source: src.ClassSource) -> set[str]:
     methods = {s.name.value for s in source.class_def.body.body if isinstance(s, cst.FunctionDef)}
-    return methods | {_code(f.target) for f in source.fields}
-
-
-def _imports(source: src.ClassSource, class_def: cst.ClassDef) -> str:
-    """The imports the written class reads: NNX's, and the source module's globals it uses."""
-    lines = ["import jax", "import jax.numpy as jnp", "from flax import nnx"]
-    provided = {"jax", "jnp", "nnx"}
-    module, scope = source.module, vars(source.module)
-    imported = []
-    for name in sorted(src.names_in(class_def) - provided):
-        if name not in scope or name == source.cls.__name__:
-            continue
-        value = scope[name]
-        if isinstance(value, types.ModuleType):
-            last = value.__name__.rsplit(".", 1)[-1]
-            alias = "" if last == name and "." not in value.__name__ else f" as {name}"
-            lines.append(f"import {value.__name__}{alias}")
-        else:
-            imported.append(name)
-    if imported:
-        lines.append(f"from {module.__name__} import {', '.join(imported)}")
-    return "\n".join(lines)
+    return methods | {code_of(f.target) for f in source.fields}

@@ -27,6 +27,7 @@ class GateSpec:
     stochastic: Sequence[bool]  # per call
     renames: Mapping[tuple[str, ...], tuple[str, ...]]
     int_bound: int = INT_BOUND
+    fields_from: str | None = None  # `MODULE:FUNCTION` returning the fields (not literals)
 
 
 def _input(i: int, spec: ArraySpec, bound: int) -> str:
@@ -41,6 +42,11 @@ def _input(i: int, spec: ArraySpec, bound: int) -> str:
 def render(spec: GateSpec, header: str) -> str:
     """The test file's text."""
     name = spec.linen_class
+    if spec.fields_from is None:
+        fields = f"\nFIELDS = {dict(spec.fields)!r}"
+    else:
+        module, function = spec.fields_from.split(":")
+        fields = f"from {module} import {function} as fields\n\nFIELDS = fields()"
     arrays = ", ".join(_input(i, s, spec.int_bound) for i, s in enumerate(spec.inputs))
     calls = []
     for i, (kwargs, stochastic) in enumerate(zip(spec.calls, spec.stochastic, strict=True)):
@@ -57,8 +63,7 @@ from parity.pairs import Call, Randomness, compare_modules, exit_status, format_
 from parity.testing import assert_passed
 from {spec.linen_module} import {name} as Linen{name}
 from {spec.nnx_module} import {name} as NNX{name}
-
-FIELDS = {dict(spec.fields)!r}
+{fields}
 RENAMES = {dict(spec.renames)!r}
 TITLE = "{name} (Linen) vs {name} (NNX port)"
 

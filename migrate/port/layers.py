@@ -13,24 +13,24 @@ import flax.linen as nn
 import numpy as np
 from flax import nnx
 
-Sizes = Callable[[Any, Mapping[str, Any]], list[str]]  # (first input, attributes) -> args
+Sizes = Callable[[Any, Mapping[str, Any]], list[Any]]  # (first input, attributes) -> sizes
 
 
-def _last(x: Any, attrs: Mapping[str, Any]) -> list[str]:
+def _last(x: Any, attrs: Mapping[str, Any]) -> list[Any]:
     del attrs
-    return [repr(int(x.shape[-1]))]
+    return [int(x.shape[-1])]
 
 
-def _axis(x: Any, attrs: Mapping[str, Any]) -> list[str]:
-    return [repr(int(x.shape[attrs["axis"]]))]
+def _axis(x: Any, attrs: Mapping[str, Any]) -> list[Any]:
+    return [int(x.shape[attrs["axis"]])]
 
 
-def _general(x: Any, attrs: Mapping[str, Any]) -> list[str]:
+def _general(x: Any, attrs: Mapping[str, Any]) -> list[Any]:
     axes = attrs["axis"] if isinstance(attrs["axis"], tuple | list) else (attrs["axis"],)
-    return [repr(tuple(int(x.shape[a]) for a in axes))]
+    return [tuple(int(x.shape[a]) for a in axes)]
 
 
-def _none(x: Any, attrs: Mapping[str, Any]) -> list[str]:
+def _none(x: Any, attrs: Mapping[str, Any]) -> list[Any]:
     del x, attrs
     return []
 
@@ -109,10 +109,9 @@ def literal(value: Any) -> str | None:
             return None
         inner = ", ".join(items) + ("," if len(items) == 1 else "")
         return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
-    try:
-        dtype = np.dtype(value)
-    except TypeError:
+    if not isinstance(value, type | np.dtype):
         return None
-    if isinstance(value, type | np.dtype) or getattr(value, "dtype", None) is not None:
-        return f"jnp.{dtype.name}"
-    return None
+    try:
+        return f"jnp.{np.dtype(value).name}"
+    except (TypeError, ValueError):
+        return None

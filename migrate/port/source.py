@@ -37,6 +37,7 @@ class Site:
     explicit_name: str | None
     called: cst.Call | None  # the call that calls it at once: `nn.Dense(8)(x)`
     in_loop: bool
+    assigned: str | None = None  # in `setup`: the attribute it is assigned to, `self.NAME = ...`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,7 @@ class SelfCall:
     node: cst.Call
     line: int
     method: str
+    assigned: str | None = None  # in `setup`: `self.NAME = self.param(...)`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +58,17 @@ class ClassSource:
     module: types.ModuleType
     first_line: int
     class_def: cst.ClassDef
-    call: cst.FunctionDef
+    call: cst.FunctionDef | None  # the compact `__call__` (None: a setup-style or plain module)
     fields: tuple[cst.AnnAssign, ...]
-    sites: tuple[Site, ...]
+    sites: tuple[Site, ...]  # submodule constructors in the compact `__call__` or in `setup`
     self_calls: tuple[SelfCall, ...]
+    setup: cst.FunctionDef | None = None
+
+    @property
+    def style(self) -> str:
+        """`compact`, `setup` (submodules and parameters made in `setup`) or `plain` (neither:
+        a module with no variables of its own, like a rotary embedding)."""
+        return "compact" if self.call is not None else "setup" if self.setup else "plain"
 
 
 def read(cls: type) -> ClassSource:
@@ -75,14 +84,17 @@ def read(cls: type) -> ClassSource:
     positions = wrapper.resolve(PositionProvider)
     class_def = next(s for s in tree.body if isinstance(s, cst.ClassDef))
     methods = {s.name.value: s for s in class_def.body.body if isinstance(s, cst.FunctionDef)}
-    if "setup" in methods:
-        raise PortError(f"{cls.__qualname__}: setup-style modules are not ported yet")
+    setup = methods.get("setup")
     call = methods.get("__call__")
-    if call is None or not any(_is_compact(d) for d in call.decorators):
-        raise PortError(f"{cls.__qualname__}: no @nn.compact __call__ to port")
+    if call is not None and not any(_is_compact(d) for d in call.decorators):
+        call = None
+    if call is not None and setup is not None:
+        raise PortError(f"{cls.__qualname__}: both setup and a compact __call__")
     others = [m for name, m in methods.items() if name != "__call__"]
     if any(_is_compact(d) for m in others for d in m.decorators):
         raise PortError(f"{cls.__qualname__}: compact methods besides __call__ are not ported yet")
+    if "__call__" not in methods and setup is None:
+        raise PortError(f"{cls.__qualname__}: no __call__ and no setup to port")
     fields = tuple(
         s.body[0]
         for s in class_def.body.body
@@ -90,10 +102,13 @@ def read(cls: type) -> ClassSource:
     )
     module = inspect.getmodule(cls)
     finder = _Finder(vars(module), positions, first - 1)
-    call.visit(finder)
+    for body in (call, setup):
+        if body is not None:
+            body.visit(finder)
     return ClassSource(
-        cls, module, first, class_def, call, fields, tuple(finder.sites), tuple(finder.self_calls)
-    )
+        cls, module, first, class_def, call, fields, tuple(finder.sites),
+        tuple(finder.self_calls), setup,
+    )  # fmt: skip
 
 
 def _is_compact(decorator: cst.Decorator) -> bool:
@@ -138,6 +153,45 @@ def is_static(node: cst.CSTNode, scope: Mapping[str, Any]) -> bool:
     return all(n == "self" or n in scope or hasattr(builtins, n) for n in names_in(node))
 
 
+@dataclasses.dataclass(frozen=True)
+class Local:
+    """A local name assigned once in a function: its statement, value and how often it is read."""
+
+    statement: cst.SimpleStatementLine
+    value: cst.BaseExpression
+    reads: int
+
+
+def locals_of(function: cst.FunctionDef) -> dict[str, Local]:
+    """The names `function` assigns exactly once (`name = value`), with their reads."""
+    assigned: dict[str, list[tuple[cst.SimpleStatementLine, cst.BaseExpression]]] = {}
+    reads: dict[str, int] = {}
+
+    class Visitor(cst.CSTVisitor):
+        def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> None:
+            for small in node.body:
+                if isinstance(small, cst.Assign):
+                    for target in small.targets:
+                        for name in names_in(target.target):
+                            assigned.setdefault(name, []).append((node, small.value))
+
+        def visit_Assign(self, node: cst.Assign) -> bool:
+            node.value.visit(self)
+            return False
+
+        def visit_Name(self, node: cst.Name) -> None:
+            reads[node.value] = reads.get(node.value, 0) + 1
+
+    function.body.visit(Visitor())
+    single = {}
+    for name, found in assigned.items():
+        statement, value = found[0]
+        simple = len(statement.body) == 1 and len(statement.body[0].targets) == 1
+        if len(found) == 1 and simple and isinstance(statement.body[0].targets[0].target, cst.Name):
+            single[name] = Local(statement, value, reads.get(name, 0))
+    return single
+
+
 TRANSFORMS = {nn.scan, nn.vmap, nn.remat, nn.checkpoint, nn.jit, nn.map_variables, nn.remat_scan}
 
 
@@ -150,6 +204,19 @@ class _Finder(cst.CSTVisitor):
         self.self_calls: list[SelfCall] = []
         self.loops = 0
         self.calling: dict[int, cst.Call] = {}
+        self.assigned: str | None = None
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        target = node.targets[0].target if len(node.targets) == 1 else None
+        if (
+            isinstance(target, cst.Attribute)
+            and isinstance(target.value, cst.Name)
+            and target.value.value == "self"
+        ):
+            self.assigned = target.attr.value
+
+    def leave_Assign(self, original_node: cst.Assign) -> None:
+        self.assigned = None
 
     def _line(self, node: cst.CSTNode) -> int:
         return self.positions[node].start.line + self.offset
@@ -173,7 +240,8 @@ class _Finder(cst.CSTVisitor):
             and isinstance(func.value, cst.Name)
             and func.value.value == "self"
         ):
-            self.self_calls.append(SelfCall(node, self._line(node), func.attr.value))
+            method = func.attr.value
+            self.self_calls.append(SelfCall(node, self._line(node), method, self.assigned))
             return
         target = resolve(func, self.scope)
         product = isinstance(func, cst.Call) and resolve(func.func, self.scope) in TRANSFORMS
@@ -189,6 +257,7 @@ class _Finder(cst.CSTVisitor):
                 explicit,
                 self.calling.get(id(node)),
                 self.loops > 0,
+                self.assigned,
             )
         )
 
@@ -217,8 +286,11 @@ class _Rewriter(cst.CSTTransformer):
         scope: Mapping[str, Any],
         sites: Mapping[int, CallEdit],
         self_edits: Mapping[int, SelfEdit],
+        param_reads: frozenset[str] = frozenset(),
+        dropped: frozenset[int] = frozenset(),
     ) -> None:
         self.scope, self.sites, self.self_edits = scope, sites, self_edits
+        self.param_reads, self.dropped = param_reads, dropped
         self.marks: list[str] = []
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
@@ -247,7 +319,14 @@ class _Rewriter(cst.CSTTransformer):
     def leave_Attribute(
         self, original_node: cst.Attribute, updated_node: cst.Attribute
     ) -> cst.BaseExpression:
-        """`nn.relu` -> `nnx.relu` where NNX exports the same function."""
+        """`nn.relu` -> `nnx.relu` where NNX exports the same function; a parameter made in
+        `setup` read as its value, `self.kernel` -> `self.kernel[...]`."""
+        if (
+            isinstance(original_node.value, cst.Name)
+            and original_node.value.value == "self"
+            and original_node.attr.value in self.param_reads
+        ):
+            return cst.Subscript(updated_node, [cst.SubscriptElement(cst.Index(cst.Ellipsis()))])
         if resolve(original_node.value, self.scope) is not nn:
             return updated_node
         value = getattr(nn, original_node.attr.value, None)
@@ -258,7 +337,9 @@ class _Rewriter(cst.CSTTransformer):
 
     def leave_SimpleStatementLine(
         self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
-    ) -> cst.SimpleStatementLine:
+    ) -> cst.SimpleStatementLine | cst.RemovalSentinel:
+        if id(original_node) in self.dropped:
+            return cst.RemoveFromParent()
         if not self.marks:
             return updated_node
         comments = [cst.EmptyLine(comment=cst.Comment(f"# {m}")) for m in self.marks]
@@ -291,14 +372,19 @@ def _self_attribute(name: str) -> cst.Attribute:
     return cst.Attribute(value=cst.Name("self"), attr=cst.Name(name))
 
 
-def rewrite_call(
+def rewrite(
     source: ClassSource,
+    function: cst.FunctionDef,
     sites: Mapping[int, CallEdit],
     self_edits: Mapping[int, SelfEdit],
+    param_reads: frozenset[str] = frozenset(),
+    dropped: frozenset[int] = frozenset(),
 ) -> cst.FunctionDef:
-    """The NNX `__call__`: `@nn.compact` dropped, each site `self.ATTR`, the Linen-only calls
-    rewritten or marked, `nn.FUNCTION` -> `nnx.FUNCTION`; everything else as written."""
-    rewriter = _Rewriter(vars(source.module), sites, self_edits)
-    call = source.call.visit(rewriter)
-    kept = [d for d in call.decorators if not _is_compact(d)]
-    return call.with_changes(decorators=kept)
+    """A method of the NNX module: `@nn.compact` dropped, each compact site `self.ATTR`, the
+    edited calls (`self.param`, constructors in `setup`) replaced or marked, the parameters
+    made in `setup` read as values, `nn.FUNCTION` -> `nnx.FUNCTION`, the `dropped`
+    statements left out; the rest as written."""
+    rewriter = _Rewriter(vars(source.module), sites, self_edits, param_reads, dropped)
+    written = function.visit(rewriter)
+    kept = [d for d in written.decorators if not _is_compact(d)]
+    return written.with_changes(decorators=kept)

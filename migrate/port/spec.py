@@ -91,3 +91,14 @@ def parse_target(text: str) -> tuple[str, str, dict[str, object]]:
         if len(fields) == len(node.keywords):
             return module, node.func.id, fields
     raise BadInput(f"{rest!r} is not CLASS or CLASS(field=literal, ...)")
+
+
+def parse_fields_from(text: str, target: str) -> tuple[str, str]:
+    """`MODULE:FUNCTION` -> (module, function); BadInput for another form, or beside fields
+    given in the target (`CLASS(field=...)`)."""
+    module, sep, function = text.partition(":")
+    if not sep or not module or not function.isidentifier():
+        raise BadInput(f"--fields_from: expected MODULE:FUNCTION, got {text!r}")
+    if parse_target(target)[2]:
+        raise BadInput("--fields_from and fields in the target (CLASS(...)): give one of them")
+    return module, function

@@ -1,6 +1,6 @@
 """One abstract run of a Linen module (`jax.eval_shape` of its `init`), with Flax's method
-interception recording each direct submodule: its name (`Dense_0` or its own), class,
-attributes and the inputs of its first call, in the order the module constructed them."""
+interception recording every submodule at any depth: its name (`Dense_0` or its own), class,
+attributes, the inputs of its first call and its own submodules, in construction order."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import jax
 from flax.core import meta
 
 LITERALS = (bool, int, float, str, type(None))
+Path = tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class Child:
-    """A direct submodule as the trace saw it."""
+    """A submodule as the trace saw it."""
 
     name: str
     cls: type
@@ -25,20 +26,41 @@ class Child:
     inputs: tuple[Any, ...] = ()  # the positional arguments of its first call, abstract
     literal_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     called: bool = False
+    path: Path = ()
+    children: tuple[str, ...] = ()  # its own submodules' names, as constructed
 
 
 @dataclasses.dataclass(frozen=True)
 class Trace:
-    """What one abstract `init` created: the direct submodules in construction order, every
-    variable's shape and dtype per collection (paths under the module), and whether a dropout
-    drew random numbers."""
+    """What one abstract `init` created under the module at `root`: every module of the tree
+    by path, every variable's shape and dtype per collection (paths under `root`), and
+    whether a dropout drew random numbers."""
 
-    children: tuple[Child, ...]
-    variables: Mapping[str, Mapping[tuple[str, ...], jax.ShapeDtypeStruct]]
+    nodes: Mapping[Path, Child]
+    variables: Mapping[str, Mapping[Path, jax.ShapeDtypeStruct]]
     stochastic: bool
+    root: Path = ()
+
+    @property
+    def module(self) -> Child:
+        return self.nodes[self.root]
+
+    @property
+    def children(self) -> tuple[Child, ...]:
+        """The direct submodules of `root`, in construction order."""
+        return tuple(self.nodes[(*self.root, n)] for n in self.module.children)
 
     def child(self, name: str) -> Child | None:
-        return next((c for c in self.children if c.name == name), None)
+        return self.nodes.get((*self.root, name))
+
+    def at(self, name: str) -> Trace:
+        """The trace of the direct submodule `name`: its tree and its variables."""
+        variables = {
+            collection: {path[1:]: leaf for path, leaf in leaves.items() if path[0] == name}
+            for collection, leaves in self.variables.items()
+        }
+        variables = {c: leaves for c, leaves in variables.items() if leaves}
+        return Trace(self.nodes, variables, self.stochastic, (*self.root, name))
 
 
 def attributes(module: nn.Module) -> dict[str, Any]:
@@ -62,8 +84,8 @@ def _draws(module: nn.Module, kwargs: Mapping[str, Any]) -> bool:
     return (module.deterministic if given is None else given) is False
 
 
-def _flat(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
-    flat: dict[tuple[str, ...], Any] = {}
+def _flat(tree: Mapping[str, Any], prefix: Path = ()) -> dict[Path, Any]:
+    flat: dict[Path, Any] = {}
     for key, value in tree.items():
         if isinstance(value, Mapping):
             flat.update(_flat(value, (*prefix, key)))
@@ -72,41 +94,49 @@ def _flat(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[s
     return flat
 
 
+def _submodules(module: nn.Module) -> dict[str, nn.Module]:
+    return {n: c for n, c in module._state.children.items() if isinstance(c, nn.Module)}
+
+
 def trace(module: nn.Module, inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> Trace:
     """`module.init` on `inputs` and `kwargs`, abstractly (nothing is computed or allocated)."""
-    seen: dict[str, Child] = {}
-    order: list[str] = []
+    called: dict[Path, tuple[type, dict, tuple, dict]] = {}
+    built: dict[Path, nn.Module] = {}
     stochastic = False
 
     def record(next_fun, args, call_kwargs, context):
         nonlocal stochastic
         bound = context.module
-        if context.method_name != "__call__":
-            return next_fun(*args, **call_kwargs)
-        stochastic = stochastic or _draws(bound, call_kwargs)
-        path = bound.path if bound.scope is not None else ()
-        if len(path) == 1 and path[0] not in seen:
-            literal = {k: v for k, v in call_kwargs.items() if isinstance(v, LITERALS)}
-            seen[path[0]] = Child(
-                path[0],
-                type(bound),
-                attributes(bound),
-                tuple(_abstract(a) for a in args),
-                literal,
-                called=True,
-            )
+        path = tuple(bound.path) if bound.scope is not None else ()
+        if context.method_name == "__call__":
+            stochastic = stochastic or _draws(bound, call_kwargs)
+            if path not in called:
+                literal = {k: v for k, v in call_kwargs.items() if isinstance(v, LITERALS)}
+                inputs = tuple(_abstract(a) for a in args)
+                called[path] = (type(bound), attributes(bound), inputs, literal)
         out = next_fun(*args, **call_kwargs)
-        if not path and not order:  # the module itself: its children, as constructed
-            order.extend(bound._state.children)
-            for name, child in bound._state.children.items():
-                if isinstance(child, nn.Module) and name not in seen:
-                    seen[name] = Child(name, type(child), attributes(child))
+        built.setdefault(path, bound)
         return out
 
     keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
     with nn.intercept_methods(record):
         variables = jax.eval_shape(lambda *args: module.init(keys, *args, **kwargs), *inputs)
     variables = meta.unbox(variables)
-    children = tuple(seen[name] for name in order if name in seen)
+
+    nodes: dict[Path, Child] = {}
+
+    def add(path: Path, bound: nn.Module) -> None:
+        kids = _submodules(bound)
+        for name, kid in kids.items():
+            add((*path, name), built.get((*path, name), kid))
+        if path in called:
+            cls, attrs, args, literal = called[path]
+            nodes[path] = Child(path[-1] if path else "", cls, attrs, args, literal, True,
+                                path, tuple(kids))  # fmt: skip
+        else:
+            nodes[path] = Child(path[-1] if path else "", type(bound), attributes(bound),
+                                path=path, children=tuple(kids))  # fmt: skip
+
+    add((), built[()])
     flat = {collection: _flat(tree) for collection, tree in variables.items()}
-    return Trace(children, flat, stochastic)
+    return Trace(nodes, flat, stochastic)

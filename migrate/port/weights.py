@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from migrate.port.emit import Placed
+from migrate.port import model
 from migrate.port.trace import Trace
 
 Path = tuple[str, ...]
@@ -39,13 +39,14 @@ class WeightMap:
         )
 
 
-def build(trace: Trace, placed: Sequence[Placed]) -> WeightMap:
-    """Every traced variable under the attribute that holds it in the port."""
-    where = {p.linen: p.attribute for p in placed}
+def build(trace: Trace, placed_at: Mapping[Path, Mapping[str, str]]) -> WeightMap:
+    """Every traced variable under the attributes that hold it in the port (`placed_at`: each
+    ported instance's Linen names -> NNX attributes); the renames, one per renamed prefix."""
     entries = []
+    renames: dict[Path, Path] = {}
     for collection, leaves in sorted(trace.variables.items()):
         for path, leaf in sorted(leaves.items()):
-            nnx_path = (where.get(path[0], path[0]), *path[1:])
+            nnx_path = model.nnx_path(path, placed_at)
             entries.append(
                 {
                     "linen": "/".join((collection, *path)),
@@ -54,7 +55,9 @@ def build(trace: Trace, placed: Sequence[Placed]) -> WeightMap:
                     "dtype": str(leaf.dtype),
                 }
             )
-    renames = {(p.linen,): (p.attribute,) for p in placed if p.linen != p.attribute}
+            for i in range(1, len(path) + 1):
+                if path[i - 1] != nnx_path[i - 1]:
+                    renames[path[:i]] = nnx_path[:i]
     return WeightMap(tuple(entries), renames)
 
 

@@ -11,6 +11,7 @@ from migrate.errors import BadInput
 # XLA builds a thread pool and buffers per simulated device: thousands of them take minutes to
 # start and hang at exit. 512 is 64 times the shipped configs' 8.
 MAX_SIMULATED_DEVICES = 512
+DEFAULT_DEVICES = 8  # the project's simulated CPU devices where XLA_FLAGS give no count
 _COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
 

@@ -13,10 +13,10 @@ import re
 from typing import Any
 
 from migrate.errors import BadInput
+from migrate.runtime.devices import DEFAULT_DEVICES
 
 ICI = re.compile(r"^ici_(\w+)_parallelism$")
 DCN = re.compile(r"^dcn_(\w+)_parallelism$")
-DEFAULT_DEVICES = 8  # the project's simulated CPU devices where XLA_FLAGS give no count
 
 # MaxText's own defaults for the mesh axes a config leaves out (both releases' base.yml): the
 # rest 1. A -1 is "the devices left": at most one per level, filled by MaxText's mesh builder

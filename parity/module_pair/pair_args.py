@@ -14,6 +14,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 from flax import nnx
+from flax.core import meta
 from jax.sharding import Mesh
 
 from migrate.checkpoints import convert
@@ -276,6 +277,24 @@ def unmapped_state(nnx_module: nnx.Module, mapped: Mapping[str, type]) -> None:
         raise PairArgumentError(
             f"the NNX module holds {', '.join(unknown)} variables that no Linen collection maps "
             f"to; name their collection: collections={{'<collection>': {unknown[0]}}}"
+        )
+
+
+def boxed_values(nnx_module: nnx.Module) -> None:
+    """No NNX Variable holds a Linen box (`LogicallyPartitioned`, `Partitioned`): an
+    initializer wrapped by `nn.with_logical_partitioning` returns one, and the Variable then
+    holds no array for any check to read."""
+    boxed = [
+        ("/".join(map(str, path)), type(v.get_value()).__name__)
+        for path, v in nnx.to_flat_state(nnx.state(nnx_module))
+        if isinstance(v.get_value(), meta.AxisMetadata)
+    ]
+    if boxed:
+        path, box = boxed[0]
+        raise PairArgumentError(
+            f"the NNX module's variable {path} holds a Linen {box} box, not an array; build "
+            "it from the bare initializer, the names as metadata: "
+            "nnx.Param(init(rngs.params(), shape), out_sharding=names)"
         )
 
 

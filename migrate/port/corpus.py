@@ -1,0 +1,33 @@
+"""Fields for ports of modules built on objects no command line can spell (`--fields_from`):
+the twins' Linen layers on a shipped config and its mesh, as `docs/port.md` ports them.
+
+    migrate port migrate.linen.layers:DecoderLayer --inputs='float32[2,16,64];int32[2,16]' \\
+        --fields_from=migrate.port.corpus:llama2_tiny
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from migrate.config.loading import load_config, resolve
+
+
+def twin_fields(config: str) -> dict[str, Any]:
+    """`config` and `mesh`, the fields of the twins' layers, for the shipped config `config`."""
+    from migrate.common import sharding
+
+    cfg = load_config(resolve(config))
+    return {"config": cfg, "mesh": sharding.make_mesh(cfg)}
+
+
+def llama2_tiny() -> dict[str, Any]:
+    return twin_fields("llama2-tiny")
+
+
+def mixtral_tiny() -> dict[str, Any]:
+    return twin_fields("mixtral-tiny")
+
+
+def llama2_tiny_config() -> dict[str, Any]:
+    """The config alone: the layers with no mesh (`RMSNorm`, `RotaryEmbedding`)."""
+    return {"config": twin_fields("llama2-tiny")["config"]}
