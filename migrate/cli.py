@@ -9,7 +9,7 @@
     migrate init --config=CONFIG --framework=linen|nnx DST [key=value ...]
             [--layout=pipeline|reference] [--force]
     migrate port MODULE:CLASS --inputs=SPEC [--out=DIR] [--call_kwargs=K=V,...;...]
-            [--names=linen|snake] [--fields_from=MODULE:FUNCTION] [--force]
+            [--names=linen|snake] [--fields_from=MODULE:FUNCTION] [--method=NAME] [--force]
     (either: --verbose prints the traceback of an internal error; COMMAND --help: its help;
     --version: the versions)
 
@@ -30,10 +30,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import json
-import subprocess
 import sys
-import tempfile
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -41,8 +38,7 @@ from typing import Any
 
 from absl import flags, logging
 
-from migrate import errors
-from migrate.checkpoints import destination
+from migrate.checkpoints import destination, forward_check
 from migrate.checkpoints.meta import read_meta
 from migrate.config.contract import Config, ConfigError
 from migrate.config.loading import load_config, parse_overrides, with_changes
@@ -122,6 +118,13 @@ flags.DEFINE_string(
     "literals (a config, a mesh); the written gate calls it too.",
     flag_values=FLAGS,
 )
+flags.DEFINE_string(
+    "method",
+    None,
+    "port: the method the trace and the gate call (default __call__), for a module called "
+    "through another one (encode, decode).",
+    flag_values=FLAGS,
+)
 flags.DEFINE_boolean(
     "verify",
     False,
@@ -178,53 +181,6 @@ def _summary(outcome, src: str | None, dst: str) -> None:
     )
     for check in outcome.checks:
         print(f"     checked before writing: {check}")
-
-
-def forward_problems(path: Path, spec, overrides: Sequence[str] = ()) -> list[str]:
-    """The parity `forward` check (Linen and NNX logits and loss, both weight sources) on the
-    weights of the checkpoint at `path`; problems, or none when it passes.
-
-    The check belongs to the harness (`parity`), which `migrate` never imports: it runs as
-    `parity CONFIG --checks=forward --checkpoint=PATH` in a subprocess (the same interpreter),
-    the config taking the checkpoint's recorded layout keys."""
-    del spec  # the checkpoint's own `meta` says what it holds
-    with tempfile.TemporaryDirectory(prefix="migrate-verify-") as scratch:
-        report = Path(scratch) / "forward.json"
-        command = [
-            sys.executable,
-            "-m",
-            "parity.cli",
-            str(FLAGS.config),
-            *overrides,
-            "--checks=forward",
-            f"--checkpoint={path}",
-            f"--json={report}",
-            *(["--verbose"] if FLAGS.verbose else []),
-        ]
-        finished = subprocess.run(command, capture_output=True, text=True)
-        status = finished.returncode
-        result = _forward_result(report) if report.exists() else None
-    verdicts = {errors.EXIT_PASS: "PASS", errors.EXIT_FAIL: "FAIL"}
-    progress(f"forward check on the converted weights: {verdicts.get(status, f'exit {status}')}")
-    if status == errors.EXIT_PASS:
-        return []
-    if status == errors.EXIT_FAIL and result is not None:
-        return [
-            f"forward check: {result['where']}: {result['metric']} {result['value']:.3g} > "
-            f"tolerance {result['tolerance']:.3g} {result['message']}".strip()
-        ]
-    last = (finished.stderr.strip().splitlines() or ["no output"])[-1]
-    why = f"--verify_forward: the parity forward check could not run (exit {status}): {last}"
-    if status == errors.EXIT_USAGE:
-        raise errors.BadInput(why)
-    # A crash or a lost worker of the child is not a verdict on the weights, nor bad input.
-    raise RuntimeError(why)
-
-
-def _forward_result(report: Path) -> dict[str, Any] | None:
-    checks = json.loads(report.read_text())["checks"]
-    forward = next((c for c in checks if c["name"] == "forward"), None)
-    return None if forward is None else {**forward["worst"], "message": forward["message"]}
 
 
 def run(argv: Sequence[str]) -> int:
@@ -292,7 +248,10 @@ def _run(argv: Sequence[str]) -> int:
             spec = train_state.Spec(FLAGS.framework, layout, spec_cfg)
             outcome = checkpoint.init_checkpoint(paths[0], spec, FLAGS.force)
         else:
-            forward = functools.partial(forward_problems, overrides=overrides)
+            forward = functools.partial(
+                forward_check.problems, config=FLAGS.config, overrides=overrides,
+                verbose=FLAGS.verbose, say=progress,
+            )  # fmt: skip
             checks = {"forward": forward} if FLAGS.verify_forward else {}
             outcome = checkpoint.convert_checkpoint(
                 paths[0],
@@ -341,7 +300,7 @@ def _port(positional: Sequence[str]) -> int:
 
     return port_command.run_command(
         positional[0], FLAGS.inputs, FLAGS.out, FLAGS.call_kwargs, FLAGS.names, FLAGS.force,
-        FLAGS.fields_from,
+        FLAGS.fields_from, FLAGS.method,
     )  # fmt: skip
 
 
@@ -409,7 +368,9 @@ COMMAND_FLAGS = {
     ),
     "init": ("config", "framework", "layout", "force", "memory_check", "verbose"),
     "compare": ("config", "verbose"),
-    "port": ("inputs", "out", "call_kwargs", "names", "force", "verbose"),
+    "port": (
+        "inputs", "out", "call_kwargs", "names", "fields_from", "method", "force", "verbose",
+    ),
 }  # fmt: skip
 
 

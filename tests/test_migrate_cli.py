@@ -15,6 +15,7 @@ from conftest import CONFIG_DIR
 
 from migrate import cli
 from migrate.checkpoints import commands as checkpoint
+from migrate.checkpoints import forward_check
 from migrate.checkpoints.meta import CheckpointError, read_meta
 from migrate.config.loading import load_config
 from migrate.runtime import cli_support
@@ -165,7 +166,7 @@ def test_a_forward_check_that_cannot_run_is_not_a_verdict(
     """`--verify_forward`'s parity child exiting 2 is bad input; a crash or a lost worker of the
     child is an internal error, never exit 1 (a verdict on the weights); nothing is written."""
     finished = subprocess.CompletedProcess([], child_status, "", "the child's last line\n")
-    monkeypatch.setattr(cli.subprocess, "run", lambda *args, **kwargs: finished)
+    monkeypatch.setattr(forward_check.subprocess, "run", lambda *args, **kwargs: finished)
     dst = tmp_path / "dst"
     args = ("convert", CONFIG, "--from=nnx", "--to=linen", "--verify_forward", nnx_ckpt, dst)
     code = cli_support.guarded("migrate", lambda: migrate(*map(str, args)), lambda: False)

@@ -46,6 +46,7 @@ class PortResult:
     gate: Gate | None
     seconds: Mapping[str, float]
     classes: tuple[model.ClassPort, ...] = ()  # bottom-up, the root last
+    other_files: tuple[Path, ...] = ()  # the ports of the user's classes in other Linen files
 
     @property
     def status(self) -> int:
@@ -53,7 +54,8 @@ class PortResult:
         return 1 if self.gate is None else self.gate.status
 
     def summary(self) -> str:
-        lines = [f"wrote {self.nnx_path}, {self.weight_map_path}, {self.test_path}"]
+        written = [self.nnx_path, *self.other_files, self.weight_map_path, self.test_path]
+        lines = [f"wrote {', '.join(map(str, written))}"]
         for p in self.placed:
             lines.append(f"  {p.linen:<16} -> self.{p.attribute:<16} {p.form}")
         lines.append(
@@ -151,6 +153,7 @@ def port(
     force: bool = False,
     run_gate: bool = True,
     fields_from: str | None = None,
+    method: str | None = None,
 ) -> PortResult:
     """Write the NNX port of `module` (a Linen class or instance of one with its fields set)
     into `out_dir` and gate it: `<module>_nnx.py`, `<module>_weight_map.json`,
@@ -160,7 +163,8 @@ def port(
     positional argument; `call_kwargs`: the keyword arguments of each call the gate makes
     (the first one traced for the structure); `fields_from`: `MODULE:FUNCTION` returning the
     fields the module is built with, where they are not literals (a config, a mesh), for the
-    port and its written gate. BadInput (exit 2) for what cannot be ported.
+    port and its written gate; `method`: the method the trace and the gate call (default
+    `__call__`). BadInput (exit 2) for what cannot be ported.
     """
     import flax.linen as nn
 
@@ -173,13 +177,15 @@ def port(
         if isinstance(module, nn.Module):
             raise BadInput("fields_from is given with a module instance: give its class")
         fields = _fields_from(fields_from)
-    unwritten = sorted(k for k, v in fields.items() if literal(v) is None)
+    unwritten = sorted(k for k, v in fields.items() if literal(v) is None)  # an enum is one
     if unwritten and fields_from is None:
         raise BadInput(
             f"{cls.__name__}'s field {unwritten[0]} is not a literal the gate can write: "
             "give fields_from=MODULE:FUNCTION returning the fields"
         )
     instance = module if isinstance(module, nn.Module) else _build(cls, fields)
+    if method is not None and not callable(getattr(cls, method, None)):
+        raise BadInput(f"{cls.__name__} has no method {method!r}")
     if "<locals>" in cls.__qualname__:
         raise BadInput(
             f"{cls.__qualname__} is defined inside a function: the gate cannot import it"
@@ -192,7 +198,7 @@ def port(
     traces = []
     for kwargs in calls:
         try:
-            traces.append(trace.trace(instance, arrays, kwargs))
+            traces.append(trace.trace(instance, arrays, kwargs, method))
         except Exception as error:  # the module does not run on these inputs: bad input
             first = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise BadInput(f"{cls.__name__} does not run on {'; '.join(map(str, specs))} "
@@ -205,7 +211,10 @@ def port(
     base = _module_name(cls.__module__)
     out = Path(out_dir)
     paths = (out / f"{base}_nnx.py", out / f"{base}_weight_map.json", out / f"test_{base}_port.py")
-    check_destinations(paths, force)
+    others = {
+        name: out / f"{model.nnx_stem(name)}.py" for name in tree.files if name != cls.__module__
+    }
+    check_destinations([*paths, *others.values()], force)
     origin = f"{cls.__module__}.{cls.__qualname__}"
     bound = min(
         [c.attributes["num_embeddings"] for c in traces[0].nodes.values() if c.cls is nn.Embed]
@@ -213,10 +222,12 @@ def port(
     )
     gate_spec = gate_file.GateSpec(
         cls.__module__, cls.__name__, paths[0].stem, fields, specs, calls,
-        [t.stochastic for t in traces], mapped.renames, bound, fields_from,
+        [t.stochastic for t in traces], mapped.renames, bound, fields_from, method,
     )  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     paths[0].write_text(f"{emit.HEADER} from {origin}: its NNX port.\n{tree.code}")
+    for name, path in others.items():
+        path.write_text(f"{emit.HEADER} from {name}, for {origin}.\n{tree.files[name]}")
     paths[1].write_text(mapped.to_json(origin, f"{paths[0].stem}.{cls.__name__}") + "\n")
     test_header = f"{emit.HEADER} from {origin}: the gate of {paths[0].name}.\n"
     paths[2].write_text(gate_file.render(gate_spec, test_header))
@@ -227,7 +238,10 @@ def port(
         seconds["gate"] = time.perf_counter() - emitted
     stubs = tuple(s for _, s in tree.stubs)
     placed = tree.root.emitted.placed
-    return PortResult(*paths, placed, stubs, mapped.renames, gate, seconds, tree.classes)
+    return PortResult(
+        *paths, placed, stubs, mapped.renames, gate, seconds, tree.classes,
+        tuple(others.values()),
+    )  # fmt: skip
 
 
 def _build(cls: type, fields: Mapping[str, Any]) -> Any:
@@ -245,8 +259,8 @@ def run_written_gate(test_path: Path) -> Gate:
     it imports the port beside it)."""
     folder = str(test_path.parent.resolve())
     name = f"_migrate_port_gate_{test_path.stem}"
-    for stale in (test_path.stem.removeprefix("test_").removesuffix("_port") + "_nnx", name):
-        sys.modules.pop(stale, None)
+    for stale in [name, *(p.stem for p in test_path.parent.glob("*_nnx.py"))]:
+        sys.modules.pop(stale, None)  # the ports written there, as written now
     sys.path.insert(0, folder)
     try:
         loaded = importlib.util.spec_from_file_location(name, test_path)
@@ -266,6 +280,7 @@ def run_command(
     names: str,
     force: bool,
     fields_from: str | None = None,
+    method: str | None = None,
 ) -> int:
     """`migrate port TARGET --inputs=SPEC`: the port written and gated, its summary printed;
     exit 0 the gate passes, 1 it fails (BadInput propagates: exit 2)."""
@@ -284,7 +299,7 @@ def run_command(
     instance = _build(cls, fields) if fields else cls
     result = port(
         instance, specs, out_dir, call_kwargs=calls, names=names, force=force,
-        fields_from=fields_from,
+        fields_from=fields_from, method=method,
     )  # fmt: skip
     print(result.summary())
     return result.status

@@ -31,3 +31,22 @@ def mixtral_tiny() -> dict[str, Any]:
 def llama2_tiny_config() -> dict[str, Any]:
     """The config alone: the layers with no mesh (`RMSNorm`, `RotaryEmbedding`)."""
     return {"config": twin_fields("llama2-tiny")["config"]}
+
+
+def griffin_tiny() -> dict[str, Any]:
+    """recurrentgemma's Griffin (its Flax Linen model) at a tiny width: two recurrent blocks
+    and one local-attention block (recurrentgemma installed beside the project)."""
+    from recurrentgemma import common
+
+    recurrent, attention = common.TemporalBlockType.RECURRENT, common.TemporalBlockType.ATTENTION
+    config = common.GriffinConfig(
+        vocab_size=32,
+        width=8,
+        mlp_expanded_width=16,
+        num_heads=2,
+        block_types=(recurrent, recurrent, attention),
+        embeddings_scale_by_sqrt_dim=True,
+        attention_window_size=4,
+        logits_soft_cap=30.0,
+    )
+    return {"config": config}

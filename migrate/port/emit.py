@@ -16,12 +16,19 @@ import flax.linen as nn
 import libcst as cst
 
 from migrate.port import source as src
-from migrate.port.layers import LAYERS, Layer, literal
+from migrate.port.layers import LAYERS, Layer, imports_for, literal
 from migrate.port.trace import Child, Trace
 
 HEADER = "# Written by `migrate port`"  # the first line of every file it writes
 STUB = "migrate port: STUB"
 PARTITIONING = {nn.with_logical_partitioning, nn.with_partitioning}  # -> `out_sharding=`
+# Written into a port file that calls them: NNX forms of Linen idioms with no NNX one-liner.
+HELPERS = {
+    "remat_class": '''def remat_class(cls, **options):
+    """`nn.remat(cls, ...)` in NNX: `cls` with its `__call__` rematerialised by `nnx.remat`
+    (`static_argnums` count `self` as 0, as Linen's do)."""
+    return type(cls.__name__, (cls,), {"__call__": nnx.remat(cls.__call__, **options)})''',
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +59,8 @@ class Emitted:
     code: str
     placed: tuple[Placed, ...]
     stubs: tuple[Stub, ...]
+    needs: frozenset[tuple[str, str]] = frozenset()  # (module, name) its traced values name
+    helpers: frozenset[str] = frozenset()  # functions of `HELPERS` the class calls
 
 
 def snake(name: str) -> str:
@@ -88,10 +97,19 @@ class _Planner:
         self.self_edits: dict[int, src.SelfEdit] = {}
         self.param_reads: set[str] = set()
         self.dropped: set[int] = set()  # statements left out: `init = nn.with_...(f, names)`
+        self.listed: set[int] = set()  # lists of submodules made in setup
         body = source.call if source.style == "compact" else source.setup
         self.locals = src.locals_of(body) if body is not None else {}
         self.placed: list[Placed] = []
         self.stubs: list[Stub] = []
+        self.needs: set[tuple[str, str]] = set()
+
+    def literal(self, value: Any) -> str | None:
+        """`literal(value)`, the classes it names imported by the port."""
+        text = literal(value)
+        if text is not None:
+            self.needs |= imports_for(value)
+        return text
 
     def attribute(self, linen_name: str) -> str:
         return linen_name if self.names == "linen" else snake(linen_name)
@@ -137,13 +155,30 @@ class _Planner:
     # Submodules made in setup --------------------------------------------------------------
 
     def setup_sites(self) -> None:
-        names: dict[str, Placed] = {}
-        for site in self.source.sites:
-            if site.in_loop:
-                raise src.PortError(f"line {site.line}: a submodule made in a loop in setup")
+        sites = self.source.sites
+        for site in sites:
             if site.assigned is None:
                 raise src.PortError(f"line {site.line}: a submodule not assigned to self.NAME")
-            child = self.trace.child(site.assigned) if self.trace is not None else None
+            if site.in_loop and site.container is None:
+                raise src.PortError(
+                    f"line {site.line}: a submodule made in a loop in setup, not in a list "
+                    "assigned to self.NAME"
+                )
+        claimed = {s.explicit_name or s.assigned for s in sites if not s.in_loop}
+        unclaimed = [c.name for c in self.trace.children if c.name not in claimed] if (
+            self.trace is not None
+        ) else []  # fmt: skip
+        listed = [s for s in sites if s.in_loop]
+        names: dict[str, list[Placed]] = {}
+        for site in sites:
+            if site.in_loop:  # `self.NAME = [Block(...) for ...]`: the trace's unclaimed ones
+                linen_names = [
+                    n for n in unclaimed if len(listed) == 1 or n.startswith(site.assigned)
+                ]
+                self.listed.add(site.container)
+            else:
+                linen_names = [site.explicit_name or site.assigned]  # `name=` wins in Linen
+            child = self.trace.child(linen_names[0]) if self.trace and linen_names else None
             if child is not None and site.target is not None and child.cls is not site.target:
                 child = None  # the branch the trace did not take
             expression, form = self.constructor(site, child)
@@ -153,9 +188,15 @@ class _Planner:
                 form = "stub"
             else:
                 self.self_edits[id(site.node)] = src.SelfEdit(cst.parse_expression(expression))
+            if site.in_loop:
+                placed = [
+                    Placed(n, f"{site.assigned}/{i}", form) for i, n in enumerate(linen_names)
+                ]
+            else:
+                placed = [Placed(linen_names[0], site.assigned, form)]
             if child is not None or site.assigned not in names:
-                names[site.assigned] = Placed(site.assigned, site.assigned, form)
-        self.placed += names.values()
+                names[site.assigned] = placed
+        self.placed += [p for placed in names.values() for p in placed]
 
     # One constructor -----------------------------------------------------------------------
 
@@ -193,13 +234,12 @@ class _Planner:
             for i, arg in enumerate(args):
                 field = arg.keyword.value if arg.keyword else _fields(target)[i]
                 text = code_of(arg.value) if self.static(arg.value) else None
-                text = text or literal(child.attributes.get(field))
+                text = text or self.literal(child.attributes.get(field))
                 if text is None:
                     return self.stub(site, f"{field}= reads values of __call__, not a literal")
                 written.append(f"{field}={text}")
-        return f"{target.__name__}({', '.join([*written, 'rngs=rngs'])})", (
-            f"{target.__name__} (ported)"
-        )
+        func = code_of(site.node.func) if site.via_local else target.__name__
+        return f"{func}({', '.join([*written, 'rngs=rngs'])})", f"{target.__name__} (ported)"
 
     def layer(self, site: src.Site, child: Child, layer: Layer) -> tuple[str | None, str | None]:
         """`nnx.LAYER(sizes, arguments, rngs=rngs)` for `site`, or None and the reason it
@@ -227,7 +267,7 @@ class _Planner:
             elif field in layer.at_call and site.called is not None:
                 continue  # moved to the call (`call_changes`)
             else:  # computed in __call__: its traced value
-                traced = literal(child.attributes[field])
+                traced = self.literal(child.attributes[field])
                 if traced is None:
                     return None, f"{field}= is computed in __call__ and not a literal"
                 init_args[nnx_name] = traced
@@ -235,7 +275,7 @@ class _Planner:
             nnx_name = layer.renamed.get(field, field)
             value = child.attributes[field]
             default = parameters[nnx_name].default
-            text = literal(value)
+            text = self.literal(value)
             if value is None or text is None or field in layer.at_call:
                 continue
             if default is inspect.Parameter.empty or not _same(value, default):
@@ -271,7 +311,9 @@ class _Planner:
         idiom = f"{what}(...) ({why})" if site.target is not None else f"{what}(...)"
         linen = code_of(site.node.with_changes(args=src.commas(_without_name(site.node))))
         inputs = [_example(x) for x in child.inputs] if child is not None else [None]
-        kwargs = [f"{k}={literal(v)}" for k, v in child.literal_kwargs.items()] if child else []
+        kwargs = (
+            [f"{k}={self.literal(v)}" for k, v in child.literal_kwargs.items()] if child else []
+        )
         if not self.static(site.node) or None in inputs or child is None or not child.called:
             note = "reads values of __call__ or is never called: port it by hand"
             self.stubs.append(Stub(site.line, idiom, note))
@@ -447,11 +489,21 @@ def emit(
     clash = sorted({a for a in taken if taken.count(a) > 1} | (set(taken) & _own(source)))
     if clash:
         raise src.PortError(f"attribute names collide in the port: {', '.join(clash)}")
-    reads = frozenset(planner.param_reads)
+    ported_names = {cls: cls.__name__ for cls in ported}
+    held = frozenset(n for n, c in source.class_locals.items() if c in ported_names)
+    remat: list[int] = []
+
+    def edits(**changes: Any) -> src.Edits:
+        common = dict(calls=planner.self_edits, ported=ported_names, class_locals=held)
+        return src.Edits(**{**common, **changes}, remat=remat)
+
     setup = None
     if source.setup is not None:
-        dropped = frozenset(planner.dropped)
-        setup = src.rewrite(source, source.setup, {}, planner.self_edits, dropped=dropped)
+        setup = src.rewrite(
+            source,
+            source.setup,
+            edits(dropped=frozenset(planner.dropped), listed=frozenset(planner.listed)),
+        )
     init = _init(source, planner.init_lines, setup)
     body: list[cst.CSTNode] = []
     placed_init = False
@@ -466,10 +518,13 @@ def emit(
             if not placed_init:  # `__init__` before the first method
                 body.append(init.with_changes(leading_lines=_blank(body)))
                 placed_init = True
-            own_call = statement is source.call
-            edits = planner.edits if own_call else {}
-            dropped = frozenset(planner.dropped) if own_call else frozenset()
-            method = src.rewrite(source, statement, edits, planner.self_edits, reads, dropped)
+            reads = frozenset(planner.param_reads)
+            if statement is source.call:
+                dropped = frozenset(planner.dropped)
+                changes = edits(sites=planner.edits, param_reads=reads, dropped=dropped)
+            else:
+                changes = edits(param_reads=reads)
+            method = src.rewrite(source, statement, changes)
             if not method.leading_lines:
                 method = method.with_changes(leading_lines=_blank(body))
             body.append(method)
@@ -482,7 +537,9 @@ def emit(
         bases=[nnx_base], body=source.class_def.body.with_changes(body=body), decorators=[]
     )
     code = cst.Module(body=[class_def]).code
-    return Emitted(code, tuple(planner.placed), tuple(planner.stubs))
+    needs = frozenset(planner.needs)
+    helpers = frozenset({"remat_class"} if remat else ())
+    return Emitted(code, tuple(planner.placed), tuple(planner.stubs), needs, helpers)
 
 
 def _blank(before: list[cst.CSTNode]) -> list[cst.EmptyLine]:

@@ -9,6 +9,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from migrate.port.layers import imports_for, literal
 from migrate.port.spec import ArraySpec
 
 INT_BOUND = 8  # integer inputs are drawn below this, or below the smallest embedding table
@@ -28,6 +29,7 @@ class GateSpec:
     renames: Mapping[tuple[str, ...], tuple[str, ...]]
     int_bound: int = INT_BOUND
     fields_from: str | None = None  # `MODULE:FUNCTION` returning the fields (not literals)
+    method: str | None = None  # the method called (None: `__call__`)
 
 
 def _input(i: int, spec: ArraySpec, bound: int) -> str:
@@ -43,7 +45,9 @@ def render(spec: GateSpec, header: str) -> str:
     """The test file's text."""
     name = spec.linen_class
     if spec.fields_from is None:
-        fields = f"\nFIELDS = {dict(spec.fields)!r}"
+        needs = sorted(set().union(set(), *(imports_for(v) for v in spec.fields.values())))
+        written = ", ".join(f"{k!r}: {literal(v)}" for k, v in spec.fields.items())
+        fields = "".join(f"from {m} import {n}\n" for m, n in needs) + f"\nFIELDS = {{{written}}}"
     else:
         module, function = spec.fields_from.split(":")
         fields = f"from {module} import {function} as fields\n\nFIELDS = fields()"
@@ -51,7 +55,8 @@ def render(spec: GateSpec, header: str) -> str:
     calls = []
     for i, (kwargs, stochastic) in enumerate(zip(spec.calls, spec.stochastic, strict=True)):
         randomness = ", randomness=Randomness()" if stochastic else ""
-        calls.append(f"Call(args, kwargs={dict(kwargs)!r}{randomness}, name='call{i}')")
+        method = f", method={spec.method!r}" if spec.method else ""
+        calls.append(f"Call(args, kwargs={dict(kwargs)!r}{method}{randomness}, name='call{i}')")
     return f'''{header}"""The parity gate of `{spec.nnx_module}.{name}`, the NNX port of
 `{spec.linen_module}.{name}`: `compare_modules` on both, bit-exact (what `migrate port` runs)."""
 
@@ -62,10 +67,18 @@ from flax import nnx
 from parity.pairs import Call, Randomness, compare_modules, exit_status, format_report
 from parity.testing import assert_passed
 from {spec.linen_module} import {name} as Linen{name}
-from {spec.nnx_module} import {name} as NNX{name}
 {fields}
 RENAMES = {dict(spec.renames)!r}
 TITLE = "{name} (Linen) vs {name} (NNX port)"
+
+
+def port():
+    """The NNX port, built (its file imported here: a port that does not import or build
+    fails its gate, as one that computes otherwise does)."""
+    from {spec.nnx_module} import {name} as NNX{name}
+
+    with nnx.use_eager_sharding(False):
+        return NNX{name}(**FIELDS, rngs=nnx.Rngs(0))
 
 
 def calls() -> list[Call]:
@@ -74,15 +87,19 @@ def calls() -> list[Call]:
     return [{", ".join(calls)}]
 
 
-def results():
-    with nnx.use_eager_sharding(False):
-        port = NNX{name}(**FIELDS, rngs=nnx.Rngs(0))
-    return compare_modules(Linen{name}(**FIELDS), port, calls(), renames=RENAMES)
+def results(built=None):
+    built = port() if built is None else built
+    return compare_modules(Linen{name}(**FIELDS), built, calls(), renames=RENAMES)
 
 
 def gate() -> tuple[int, str]:
     """The exit status of the checks (0 pass, 1 fail, 2 bad input) and their report."""
-    found = results()
+    try:
+        built = port()
+    except Exception as error:  # the written port itself is wrong: its gate fails
+        first = (str(error).strip().splitlines() or [""])[0]
+        return 1, f"{{TITLE}}: FAIL: the port does not build: {{type(error).__name__}}: {{first}}"
+    found = results(built)
     return exit_status(found), format_report(found, TITLE)
 
 

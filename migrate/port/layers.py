@@ -5,6 +5,7 @@ arguments NNX takes at call time rather than at construction."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -100,7 +101,10 @@ LAYERS: dict[type, Layer] = {
 
 def literal(value: Any) -> str | None:
     """Python source for `value` where it is a literal (numbers, strings, tuples of them,
-    dtypes as `jnp.NAME`); None otherwise."""
+    dtypes as `jnp.NAME`, enum members as `CLASS.MEMBER`: `imports_for` names their
+    classes); None otherwise."""
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}"
     if isinstance(value, bool | int | float | str | type(None)):
         return repr(value)
     if isinstance(value, tuple | list):
@@ -115,3 +119,12 @@ def literal(value: Any) -> str | None:
         return f"jnp.{np.dtype(value).name}"
     except (TypeError, ValueError):
         return None
+
+
+def imports_for(value: Any) -> set[tuple[str, str]]:
+    """`(module, name)` of each enum class `literal(value)` writes by name."""
+    if isinstance(value, enum.Enum):
+        return {(type(value).__module__, type(value).__qualname__)}
+    if isinstance(value, tuple | list):
+        return set().union(*(imports_for(v) for v in value)) if value else set()
+    return set()

@@ -1,7 +1,8 @@
-"""A Linen module tree ported bottom-up into one NNX file: the root class and each of the
-user's own Linen classes it builds (defined in the root's file), each class ported once and
-reused; every traced instance of a class must give the same NNX class (sizes through the
-class's fields, not per-instance constants), or the class is refused and its sites bridged."""
+"""A Linen module tree ported bottom-up: the root class and each of the user's own Linen
+classes it builds (defined in the root's package), each class ported once and reused, one NNX
+file per Linen file (`layers.py` -> `layers_nnx.py`, importing the ports of the others); every
+traced instance of a class must give the same NNX class (sizes through the class's fields,
+not per-instance constants), or the class is refused and its sites bridged."""
 
 from __future__ import annotations
 
@@ -30,10 +31,16 @@ class ClassPort:
 
 @dataclasses.dataclass(frozen=True)
 class TreePort:
-    """The NNX file (imports and classes, in the Linen file's order) and each class's port."""
+    """The NNX files (each one's imports and classes, in its Linen file's order), by the Linen
+    module each ports, and each class's port."""
 
-    code: str
+    files: Mapping[str, str]  # Linen module name -> the NNX file's code
     classes: tuple[ClassPort, ...]  # bottom-up: a class after the classes it builds
+
+    @property
+    def code(self) -> str:
+        """The root's NNX file."""
+        return self.files[self.root.cls.__module__]
 
     @property
     def root(self) -> ClassPort:
@@ -56,12 +63,21 @@ class TreePort:
 
 
 def own_class(value: object, module: types.ModuleType) -> bool:
-    """A Linen module class the user defined in `module`."""
-    return (
-        isinstance(value, type)
-        and issubclass(value, nn.Module)
-        and value.__module__ == module.__name__
+    """A Linen module class the user defined in `module`'s package (`module` itself where
+    it has none); a Linen wrapper of an NNX module (`nnx_class`) is no class to port."""
+    if not (isinstance(value, type) and issubclass(value, nn.Module)):
+        return False
+    if "nnx_class" in getattr(value, "__dataclass_fields__", {}):
+        return False
+    package = module.__name__.split(".")[0]
+    return value.__module__ == module.__name__ or (
+        "." in module.__name__ and value.__module__.split(".")[0] == package
     )
+
+
+def nnx_stem(module_name: str) -> str:
+    """The NNX file's name (no suffix) for the Linen module `module_name`."""
+    return f"{module_name.rsplit('.', 1)[-1]}_nnx"
 
 
 def _bottom_up(root: type, module: types.ModuleType) -> tuple[list[type], dict[type, str]]:
@@ -128,25 +144,62 @@ def port_tree(root: type, trace: Trace, names: str) -> TreePort:
         ported.append(cls)
         classes[cls] = ClassPort(cls, emitted, None, instances)
     done = [classes[c] for c in order if c in classes]
-    by_line = sorted(
-        (c for c in done if c.emitted is not None), key=lambda c: inspect.getsourcelines(c.cls)[1]
-    )
-    bodies = [c.emitted.code for c in by_line]
-    head = imports(module, bodies, {c.__name__ for c in ported})
-    return TreePort(f"{head}\n\n\n" + "\n\n".join(bodies), tuple(done))
+    return TreePort(_files(done, ported), tuple(done))
 
 
-def imports(module: types.ModuleType, bodies: list[str], defined: set[str]) -> str:
-    """The imports the written classes read: NNX's, and the Linen file's globals they use
-    (its modules imported as it imports them, its other names from the file itself)."""
+def _files(done: list[ClassPort], ported: list[type]) -> dict[str, str]:
+    """One NNX file per Linen module: its ported classes in source order, under the imports
+    they read (the ports of other modules' classes from those modules' NNX files)."""
+    names = [c.__name__ for c in ported]
+    clash = sorted({n for n in names if names.count(n) > 1})
+    if clash:
+        raise src.PortError(f"two ported classes are both named {clash[0]}")
+    stems = {c.__module__: nnx_stem(c.__module__) for c in ported}
+    if len(set(stems.values())) != len(stems):
+        raise src.PortError(f"two ported modules share a file name: {sorted(stems)}")
+    files = {}
+    for module_name in dict.fromkeys(c.cls.__module__ for c in done if c.emitted is not None):
+        here = sorted(
+            (c for c in done if c.emitted is not None and c.cls.__module__ == module_name),
+            key=lambda c: inspect.getsourcelines(c.cls)[1],
+        )
+        bodies = [c.emitted.code for c in here]
+        elsewhere = {c.__name__: stems[c.__module__] for c in ported if c.__module__ != module_name}
+        module = inspect.getmodule(here[0].cls)
+        needs = set().union(*(c.emitted.needs for c in here))
+        head = imports(module, bodies, {c.cls.__name__ for c in here}, elsewhere, needs)
+        helpers = sorted(set().union(*(c.emitted.helpers for c in here)))
+        bodies = [emit.HELPERS[h] + "\n" for h in helpers] + bodies
+        files[module_name] = f"{head}\n\n\n" + "\n\n".join(bodies)
+    return files
+
+
+def imports(
+    module: types.ModuleType,
+    bodies: list[str],
+    defined: set[str],
+    elsewhere: Mapping[str, str] | None = None,
+    needs: set[tuple[str, str]] | None = None,
+) -> str:
+    """The imports the written classes read: NNX's, the ports of classes written in other
+    files (`elsewhere`: class name -> file), and the Linen file's globals they use (its
+    modules imported as it imports them, its other names from the file itself)."""
     lines = ["import jax", "import jax.numpy as jnp", "from flax import nnx"]
     provided = {"jax", "jnp", "nnx"} | defined
     scope = vars(module)
     read: set[str] = set()
     for body in bodies:
-        read |= src.names_in(cst.parse_module(body))
+        read |= src.names_in(cst.parse_module(body)) - set(emit.HELPERS)
     imported = []
+    named = {name: module_name for module_name, name in needs or ()}
+    froms: dict[str, list[str]] = {}
     for name in sorted(read - provided):
+        if name in named and scope.get(name) is None:  # an enum class a traced value names
+            froms.setdefault(named[name], []).append(name)
+            continue
+        if name in (elsewhere or {}):
+            froms.setdefault(elsewhere[name], []).append(name)
+            continue
         if name not in scope:
             continue
         value = scope[name]
@@ -156,6 +209,7 @@ def imports(module: types.ModuleType, bodies: list[str], defined: set[str]) -> s
             lines.append(f"import {value.__name__}{alias}")
         else:
             imported.append(name)
+    lines += [f"from {source} import {', '.join(names)}" for source, names in froms.items()]
     if imported:
         lines.append(f"from {module.__name__} import {', '.join(imported)}")
     return "\n".join(lines)
@@ -164,6 +218,6 @@ def imports(module: types.ModuleType, bodies: list[str], defined: set[str]) -> s
 def nnx_path(path: Path, placed_at: Mapping[Path, Mapping[str, str]]) -> Path:
     """A Linen variable's path (under the root) in the port's naming."""
     out: list[str] = []
-    for i, name in enumerate(path):
-        out.append(placed_at.get(path[:i], {}).get(name, name))
+    for i, name in enumerate(path):  # an element of a list of submodules: `blocks/0`
+        out.extend(placed_at.get(path[:i], {}).get(name, name).split("/"))
     return tuple(out)

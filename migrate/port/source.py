@@ -38,6 +38,8 @@ class Site:
     called: cst.Call | None  # the call that calls it at once: `nn.Dense(8)(x)`
     in_loop: bool
     assigned: str | None = None  # in `setup`: the attribute it is assigned to, `self.NAME = ...`
+    via_local: bool = False  # constructed through a local holding the class (`cls(...)`)
+    container: int | None = None  # in `setup`: the id of the list `self.NAME = [...]` built in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +65,7 @@ class ClassSource:
     sites: tuple[Site, ...]  # submodule constructors in the compact `__call__` or in `setup`
     self_calls: tuple[SelfCall, ...]
     setup: cst.FunctionDef | None = None
+    class_locals: Mapping[str, type] = dataclasses.field(default_factory=dict)
 
     @property
     def style(self) -> str:
@@ -101,13 +104,16 @@ def read(cls: type) -> ClassSource:
         if isinstance(s, cst.SimpleStatementLine) and isinstance(s.body[0], cst.AnnAssign)
     )
     module = inspect.getmodule(cls)
+    class_locals: dict[str, type] = {}
     finder = _Finder(vars(module), positions, first - 1)
     for body in (call, setup):
         if body is not None:
+            finder.class_locals = holding_classes(body, vars(module))
+            class_locals.update(finder.class_locals)
             body.visit(finder)
     return ClassSource(
         cls, module, first, class_def, call, fields, tuple(finder.sites),
-        tuple(finder.self_calls), setup,
+        tuple(finder.self_calls), setup, class_locals,
     )  # fmt: skip
 
 
@@ -192,6 +198,31 @@ def locals_of(function: cst.FunctionDef) -> dict[str, Local]:
     return single
 
 
+def holding_classes(function: cst.FunctionDef, scope: Mapping[str, Any]) -> dict[str, type]:
+    """The locals `function` assigns a Linen class only (`block = Block`, then maybe
+    `block = nn.remat(block, ...)`), each with its class."""
+    found: dict[str, type | None] = {}
+
+    class Visitor(cst.CSTVisitor):
+        def visit_Assign(self, node: cst.Assign) -> None:
+            if len(node.targets) != 1 or not isinstance(node.targets[0].target, cst.Name):
+                return
+            name, value = node.targets[0].target.value, node.value
+            held = resolve(value, scope)
+            if isinstance(value, cst.Call) and resolve(value.func, scope) in TRANSFORMS:
+                first = value.args[0].value if value.args else None
+                held = found.get(first.value) if isinstance(first, cst.Name) else None
+                held = held or (resolve(first, scope) if first is not None else None)
+            is_class = isinstance(held, type) and issubclass(held, nn.Module)
+            if not is_class or found.get(name, held) is not held:
+                found[name] = None
+            else:
+                found[name] = held
+
+    function.body.visit(Visitor())
+    return {name: cls for name, cls in found.items() if cls is not None}
+
+
 TRANSFORMS = {nn.scan, nn.vmap, nn.remat, nn.checkpoint, nn.jit, nn.map_variables, nn.remat_scan}
 
 
@@ -205,6 +236,8 @@ class _Finder(cst.CSTVisitor):
         self.loops = 0
         self.calling: dict[int, cst.Call] = {}
         self.assigned: str | None = None
+        self.container: int | None = None
+        self.class_locals: Mapping[str, type] = {}
 
     def visit_Assign(self, node: cst.Assign) -> None:
         target = node.targets[0].target if len(node.targets) == 1 else None
@@ -214,9 +247,11 @@ class _Finder(cst.CSTVisitor):
             and target.value.value == "self"
         ):
             self.assigned = target.attr.value
+            if isinstance(node.value, cst.List | cst.ListComp):
+                self.container = id(node.value)
 
     def leave_Assign(self, original_node: cst.Assign) -> None:
-        self.assigned = None
+        self.assigned = self.container = None
 
     def _line(self, node: cst.CSTNode) -> int:
         return self.positions[node].start.line + self.offset
@@ -244,6 +279,9 @@ class _Finder(cst.CSTVisitor):
             self.self_calls.append(SelfCall(node, self._line(node), method, self.assigned))
             return
         target = resolve(func, self.scope)
+        via_local = isinstance(func, cst.Name) and func.value in self.class_locals
+        if via_local:
+            target = self.class_locals[func.value]
         product = isinstance(func, cst.Call) and resolve(func.func, self.scope) in TRANSFORMS
         if not (product or (isinstance(target, type) and issubclass(target, nn.Module))):
             return
@@ -258,6 +296,8 @@ class _Finder(cst.CSTVisitor):
                 self.calling.get(id(node)),
                 self.loops > 0,
                 self.assigned,
+                via_local,
+                self.container,
             )
         )
 
@@ -280,29 +320,39 @@ class SelfEdit:
     comment: str | None = None
 
 
+@dataclasses.dataclass
+class Edits:
+    """Everything a method's rewrite changes, by node identity where it is one node."""
+
+    sites: Mapping[int, CallEdit] = dataclasses.field(default_factory=dict)  # compact sites
+    calls: Mapping[int, SelfEdit] = dataclasses.field(default_factory=dict)  # calls replaced
+    param_reads: frozenset[str] = frozenset()  # `self.NAME` read as `self.NAME[...]`
+    dropped: frozenset[int] = frozenset()  # statements left out
+    listed: frozenset[int] = frozenset()  # lists of submodules, wrapped in `nnx.List`
+    ported: Mapping[type, str] = dataclasses.field(default_factory=dict)  # class -> its port
+    class_locals: frozenset[str] = frozenset()  # locals holding a (ported) class
+    remat: list[int] = dataclasses.field(default_factory=list)  # `nn.remat(CLASS)` rewritten
+
+
+REMAT = {nn.remat, nn.checkpoint}
+
+
 class _Rewriter(cst.CSTTransformer):
-    def __init__(
-        self,
-        scope: Mapping[str, Any],
-        sites: Mapping[int, CallEdit],
-        self_edits: Mapping[int, SelfEdit],
-        param_reads: frozenset[str] = frozenset(),
-        dropped: frozenset[int] = frozenset(),
-    ) -> None:
-        self.scope, self.sites, self.self_edits = scope, sites, self_edits
-        self.param_reads, self.dropped = param_reads, dropped
+    def __init__(self, scope: Mapping[str, Any], edits: Edits) -> None:
+        self.scope, self.edits = scope, edits
         self.marks: list[str] = []
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
-        if id(original_node) in self.self_edits:
-            edit = self.self_edits[id(original_node)]
+        edits = self.edits
+        if id(original_node) in edits.calls:
+            edit = edits.calls[id(original_node)]
             if edit.comment:
                 self.marks.append(edit.comment)
             return edit.replacement or updated_node
-        if id(original_node) in self.sites:
-            return _self_attribute(self.sites[id(original_node)].attribute)
-        if isinstance(original_node.func, cst.Call) and id(original_node.func) in self.sites:
-            edit = self.sites[id(original_node.func)]
+        if id(original_node) in edits.sites:
+            return _self_attribute(edits.sites[id(original_node)].attribute)
+        if isinstance(original_node.func, cst.Call) and id(original_node.func) in edits.sites:
+            edit = edits.sites[id(original_node.func)]
             args = [
                 a.with_changes(keyword=cst.Name(edit.call_renamed[a.keyword.value]))
                 if a.keyword and a.keyword.value in edit.call_renamed
@@ -314,19 +364,56 @@ class _Rewriter(cst.CSTTransformer):
                 if name not in given:
                     args.append(cst.Arg(value, keyword=cst.Name(name), equal=_NO_SPACE))
             return updated_node.with_changes(args=commas(args))
+        if resolve(original_node.func, self.scope) in REMAT and self._class(original_node):
+            edits.remat.append(id(original_node))  # the port file defines `remat_class`
+            return updated_node.with_changes(func=cst.Name("remat_class"))
+        return updated_node
+
+    def _class(self, call: cst.Call) -> bool:
+        """`nn.remat(X, ...)` of a class: X a ported class or a local holding one."""
+        first = call.args[0].value if call.args and not call.args[0].keyword else None
+        if isinstance(first, cst.Name) and first.value in self.edits.class_locals:
+            return True
+        return first is not None and resolve(first, self.scope) in self.edits.ported
+
+    def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> cst.BaseExpression:
+        return self._ported(original_node, updated_node)
+
+    def leave_List(self, original_node: cst.List, updated_node: cst.List) -> cst.BaseExpression:
+        return self._listed(original_node, updated_node)
+
+    def leave_ListComp(
+        self, original_node: cst.ListComp, updated_node: cst.ListComp
+    ) -> cst.BaseExpression:
+        return self._listed(original_node, updated_node)
+
+    def _listed(self, original_node: cst.CSTNode, updated_node: Any) -> cst.BaseExpression:
+        if id(original_node) not in self.edits.listed:
+            return updated_node
+        return cst.Call(cst.parse_expression("nnx.List"), [cst.Arg(updated_node)])
+
+    def _ported(self, original_node: cst.CSTNode, updated_node: Any) -> cst.BaseExpression:
+        """A reference to a ported class (`modules.Block`) as the port's own name."""
+        found = resolve(original_node, self.scope)
+        if isinstance(found, type) and found in self.edits.ported:
+            return cst.Name(self.edits.ported[found])
         return updated_node
 
     def leave_Attribute(
         self, original_node: cst.Attribute, updated_node: cst.Attribute
     ) -> cst.BaseExpression:
         """`nn.relu` -> `nnx.relu` where NNX exports the same function; a parameter made in
-        `setup` read as its value, `self.kernel` -> `self.kernel[...]`."""
+        `setup` read as its value, `self.kernel` -> `self.kernel[...]`; a ported class by
+        its port's name."""
         if (
             isinstance(original_node.value, cst.Name)
             and original_node.value.value == "self"
-            and original_node.attr.value in self.param_reads
+            and original_node.attr.value in self.edits.param_reads
         ):
             return cst.Subscript(updated_node, [cst.SubscriptElement(cst.Index(cst.Ellipsis()))])
+        ported = self._ported(original_node, updated_node)
+        if ported is not updated_node:
+            return ported
         if resolve(original_node.value, self.scope) is not nn:
             return updated_node
         value = getattr(nn, original_node.attr.value, None)
@@ -338,7 +425,7 @@ class _Rewriter(cst.CSTTransformer):
     def leave_SimpleStatementLine(
         self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
     ) -> cst.SimpleStatementLine | cst.RemovalSentinel:
-        if id(original_node) in self.dropped:
+        if id(original_node) in self.edits.dropped:
             return cst.RemoveFromParent()
         if not self.marks:
             return updated_node
@@ -372,19 +459,12 @@ def _self_attribute(name: str) -> cst.Attribute:
     return cst.Attribute(value=cst.Name("self"), attr=cst.Name(name))
 
 
-def rewrite(
-    source: ClassSource,
-    function: cst.FunctionDef,
-    sites: Mapping[int, CallEdit],
-    self_edits: Mapping[int, SelfEdit],
-    param_reads: frozenset[str] = frozenset(),
-    dropped: frozenset[int] = frozenset(),
-) -> cst.FunctionDef:
+def rewrite(source: ClassSource, function: cst.FunctionDef, edits: Edits) -> cst.FunctionDef:
     """A method of the NNX module: `@nn.compact` dropped, each compact site `self.ATTR`, the
     edited calls (`self.param`, constructors in `setup`) replaced or marked, the parameters
-    made in `setup` read as values, `nn.FUNCTION` -> `nnx.FUNCTION`, the `dropped`
-    statements left out; the rest as written."""
-    rewriter = _Rewriter(vars(source.module), sites, self_edits, param_reads, dropped)
-    written = function.visit(rewriter)
+    made in `setup` read as values, ported classes by their ports' names, `nn.remat` of a
+    class as `remat_class`, lists of submodules as `nnx.List`, `nn.FUNCTION` ->
+    `nnx.FUNCTION`, the dropped statements left out; the rest as written."""
+    written = function.visit(_Rewriter(vars(source.module), edits))
     kept = [d for d in written.decorators if not _is_compact(d)]
     return written.with_changes(decorators=kept)

@@ -98,8 +98,14 @@ def _submodules(module: nn.Module) -> dict[str, nn.Module]:
     return {n: c for n, c in module._state.children.items() if isinstance(c, nn.Module)}
 
 
-def trace(module: nn.Module, inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> Trace:
-    """`module.init` on `inputs` and `kwargs`, abstractly (nothing is computed or allocated)."""
+def trace(
+    module: nn.Module,
+    inputs: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    method: str | None = None,
+) -> Trace:
+    """`module.init` on `inputs` and `kwargs` (calling `method`, default `__call__`),
+    abstractly (nothing is computed or allocated)."""
     called: dict[Path, tuple[type, dict, tuple, dict]] = {}
     built: dict[Path, nn.Module] = {}
     stochastic = False
@@ -108,7 +114,7 @@ def trace(module: nn.Module, inputs: Sequence[Any], kwargs: Mapping[str, Any]) -
         nonlocal stochastic
         bound = context.module
         path = tuple(bound.path) if bound.scope is not None else ()
-        if context.method_name == "__call__":
+        if context.method_name == "__call__" or (not path and context.method_name == method):
             stochastic = stochastic or _draws(bound, call_kwargs)
             if path not in called:
                 literal = {k: v for k, v in call_kwargs.items() if isinstance(v, LITERALS)}
@@ -120,7 +126,9 @@ def trace(module: nn.Module, inputs: Sequence[Any], kwargs: Mapping[str, Any]) -
 
     keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
     with nn.intercept_methods(record):
-        variables = jax.eval_shape(lambda *args: module.init(keys, *args, **kwargs), *inputs)
+        variables = jax.eval_shape(
+            lambda *args: module.init(keys, *args, method=method, **kwargs), *inputs
+        )
     variables = meta.unbox(variables)
 
     nodes: dict[Path, Child] = {}

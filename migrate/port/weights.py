@@ -56,8 +56,9 @@ def build(trace: Trace, placed_at: Mapping[Path, Mapping[str, str]]) -> WeightMa
                 }
             )
             for i in range(1, len(path) + 1):
-                if path[i - 1] != nnx_path[i - 1]:
-                    renames[path[:i]] = nnx_path[:i]
+                prefix = model.nnx_path(path[:i], placed_at)
+                if prefix != (*model.nnx_path(path[: i - 1], placed_at), path[i - 1]):
+                    renames[path[:i]] = prefix
     return WeightMap(tuple(entries), renames)
 
 
