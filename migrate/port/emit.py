@@ -7,8 +7,10 @@ around them (`source.rewrite`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import re
+import types
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -114,9 +116,24 @@ class _Planner:
     def attribute(self, linen_name: str) -> str:
         return linen_name if self.names == "linen" else snake(linen_name)
 
-    def static(self, node: cst.CSTNode) -> bool:
-        """Whether `__init__` can evaluate `node` (in `setup`, everything can)."""
-        return self.source.style == "setup" or src.is_static(node, self.scope)
+    def text(self, node: cst.BaseExpression) -> str | None:
+        """`node` as `__init__` evaluates it: as written in `setup`; in a compact `__call__`,
+        with the locals assigned once from such values substituted (`cfg.dtype` ->
+        `self.config.dtype`), None where it reads values of the call."""
+        if self.source.style == "setup":
+            return code_of(node)
+        substituted = src.substitute(node, self.values)
+        return code_of(substituted) if src.is_static(substituted, self.scope) else None
+
+    @functools.cached_property
+    def values(self) -> dict[str, cst.BaseExpression]:
+        """The compact `__call__`'s locals assigned once from what `__init__` can evaluate."""
+        values: dict[str, cst.BaseExpression] = {}
+        for name, local in self.locals.items():
+            substituted = src.substitute(local.value, values)
+            if src.is_static(substituted, self.scope):
+                values[name] = substituted
+        return values
 
     def size(self, value: int | tuple[int, ...]) -> str:
         """A traced size, through the module's own field where one holds it."""
@@ -127,7 +144,9 @@ class _Planner:
     # Submodules of a compact __call__ ------------------------------------------------------
 
     def compact_sites(self) -> None:
-        sites, children = self.source.sites, self.trace.children
+        children = self.trace.children
+        traced = {c.name for c in children}
+        sites = [s for s in self.source.sites if not s.factory or s.explicit_name in traced]
         looped = next((s for s in sites if s.in_loop), None)
         if looped is not None:
             raise src.PortError(
@@ -155,7 +174,8 @@ class _Planner:
     # Submodules made in setup --------------------------------------------------------------
 
     def setup_sites(self) -> None:
-        sites = self.source.sites
+        traced = {c.name for c in self.trace.children} if self.trace is not None else set()
+        sites = [s for s in self.source.sites if not s.factory or s.explicit_name in traced]
         for site in sites:
             if site.assigned is None:
                 raise src.PortError(f"line {site.line}: a submodule not assigned to self.NAME")
@@ -204,6 +224,8 @@ class _Planner:
         """The NNX expression that builds `site` and its form (None and the stub's text where
         it cannot be built)."""
         target = site.target
+        if child is not None and "nnx_class" in child.attributes:
+            return self.wrapped(site, child)
         if target is not None and target in self.ported:
             return self.own(site, child, target)
         layer = LAYERS.get(target) if target is not None else None
@@ -225,21 +247,94 @@ class _Planner:
         args = _without_name(site.node)
         if any(a.star for a in args):
             return self.stub(site, "*args or **kwargs in its constructor")
-        if all(self.static(a.value) for a in args):
-            written = [code_of(a.with_changes(comma=cst.MaybeSentinel.DEFAULT)) for a in args]
+        texts = [self.text(a.value) for a in args]
+        if None not in texts:
+            written = [
+                f"{a.keyword.value}={t}" if a.keyword else t
+                for a, t in zip(args, texts, strict=True)
+            ]
         elif child is None:
             return self.stub(site, "reads values of __call__ and is never traced")
         else:
             written = []
-            for i, arg in enumerate(args):
+            for i, (arg, text) in enumerate(zip(args, texts, strict=True)):
                 field = arg.keyword.value if arg.keyword else _fields(target)[i]
-                text = code_of(arg.value) if self.static(arg.value) else None
                 text = text or self.literal(child.attributes.get(field))
                 if text is None:
                     return self.stub(site, f"{field}= reads values of __call__, not a literal")
                 written.append(f"{field}={text}")
         func = code_of(site.node.func) if site.via_local else target.__name__
         return f"{func}({', '.join([*written, 'rngs=rngs'])})", f"{target.__name__} (ported)"
+
+    def wrapped(self, site: src.Site, child: Child) -> tuple[str | None, str]:
+        """An NNX module the Linen code wraps (`nnx.bridge.ToLinen`, a `to_linen` factory) is
+        its own port: `NNX_CLASS(arguments, rngs=rngs)`, each argument the call's own
+        expression for it where that gives the traced value, the module's field holding the
+        value, or the value as a literal; a value equal to the class's default left out."""
+        attributes = child.attributes
+        nnx_class = attributes["nnx_class"]
+        name = self.class_name(nnx_class)
+        if name is None:
+            return self.stub(site, f"{nnx_class.__name__} cannot be named in the port")
+        given = {a.keyword.value: a.value for a in site.node.args if a.keyword}
+        try:
+            defaults = inspect.signature(nnx_class.__init__).parameters
+        except (TypeError, ValueError):
+            defaults = {}
+        written = []
+        for value in attributes.get("args", ()):
+            text = self.value_text(None, value)
+            if text is None:
+                return self.stub(site, "a positional argument that is no literal")
+            written.append(text)
+        for key, value in dict(attributes.get("kwargs", {})).items():
+            default = defaults.get(key)
+            if key not in given and default is not None and _same_object(value, default.default):
+                continue  # the wrapper's own default, the NNX class's too
+            text = self.value_text(given.get(key), value)
+            if text is None:
+                return self.stub(site, f"{key}= is no literal, field or expression of the call")
+            written.append(f"{key}={text}")
+        if not attributes.get("skip_rng", False):
+            written.append("rngs=rngs")
+        return f"{name}({', '.join(written)})", f"{name} (NNX, unwrapped)"
+
+    def value_text(self, node: cst.BaseExpression | None, value: Any) -> str | None:
+        """How `__init__` writes a traced `value`: the call's expression `node` where it
+        evaluates to that value, the module's field holding it, or a literal."""
+        if node is not None:
+            text = self.text(node)
+            if text is not None and self.evaluates_to(text, value):
+                return text
+        fields = self.trace.module.attributes if self.trace is not None else {}
+        held = next((k for k, v in fields.items() if v is value and literal(v) is None), None)
+        if held is not None:
+            return f"self.{held}"
+        return self.literal(value)
+
+    def evaluates_to(self, text: str, value: Any) -> bool:
+        """Whether `text`, evaluated with `self` the traced module's fields, gives `value`."""
+        fields = self.trace.module.attributes if self.trace is not None else {}
+        namespace = {"self": types.SimpleNamespace(**fields)}
+        try:  # the user's own expression, from their own source, on their own values
+            found = eval(text, dict(self.scope), namespace)
+            return _same_object(found, value) or bool(found == value)
+        except Exception:
+            return False
+
+    def class_name(self, cls: type) -> str | None:
+        """How the port names `cls`: through its module where the Linen file imports it
+        (`linears.MlpBlock`), by a name it imports, or imported by the port itself."""
+        home = inspect.getmodule(cls)
+        for name, value in self.scope.items():
+            if value is home and home is not None:
+                return f"{name}.{cls.__name__}"
+        if self.scope.get(cls.__name__) is cls:
+            return cls.__name__
+        if cls.__name__ in self.scope:
+            return None
+        self.needs.add((cls.__module__, cls.__name__))
+        return cls.__name__
 
     def layer(self, site: src.Site, child: Child, layer: Layer) -> tuple[str | None, str | None]:
         """`nnx.LAYER(sizes, arguments, rngs=rngs)` for `site`, or None and the reason it
@@ -262,8 +357,9 @@ class _Planner:
             if field not in carried:
                 return None, f"{field}= has no NNX argument"
             nnx_name = layer.renamed.get(field, field)
-            if self.static(value):
-                init_args[nnx_name] = code_of(value)
+            text = self.text(value)
+            if text is not None:
+                init_args[nnx_name] = text
             elif field in layer.at_call and site.called is not None:
                 continue  # moved to the call (`call_changes`)
             else:  # computed in __call__: its traced value
@@ -309,12 +405,12 @@ class _Planner:
         traced inputs: a marked stub."""
         what = code_of(site.node.func)
         idiom = f"{what}(...) ({why})" if site.target is not None else f"{what}(...)"
-        linen = code_of(site.node.with_changes(args=src.commas(_without_name(site.node))))
+        linen = self.text(site.node.with_changes(args=src.commas(_without_name(site.node))))
         inputs = [_example(x) for x in child.inputs] if child is not None else [None]
         kwargs = (
             [f"{k}={self.literal(v)}" for k, v in child.literal_kwargs.items()] if child else []
         )
-        if not self.static(site.node) or None in inputs or child is None or not child.called:
+        if linen is None or None in inputs or child is None or not child.called:
             note = "reads values of __call__ or is never called: port it by hand"
             self.stubs.append(Stub(site.line, idiom, note))
             return None, f"None  # {STUB} (Linen line {site.line}): {idiom}: {note}"
@@ -357,13 +453,14 @@ class _Planner:
         shape = variables.get((linen_name,))
         parts = ["rngs.params()"]
         for i, arg in enumerate(args[2:]):
-            if self.static(arg.value):
-                parts.append(code_of(arg.with_changes(comma=cst.MaybeSentinel.DEFAULT)))
+            text = self.text(arg.value)
+            if text is not None:
+                parts.append(text)
             elif i == 0 and shape is not None:
                 parts.append(repr(tuple(shape.shape)))
             else:
                 return self.mark(call, "self.param", "its arguments read values of __call__")
-        if not self.static(args[1].value):
+        if self.text(args[1].value) is None:
             return self.mark(call, "self.param", "its initializer reads values of __call__")
         init, sharding = self.initializer(args[1].value)
         value = f"{init}({', '.join(parts)})"
@@ -392,9 +489,12 @@ class _Planner:
         once (`init = nn.with_logical_partitioning(...)`, left out where nothing else reads
         it); any other initializer as written."""
         local = self.locals.get(init.value) if isinstance(init, cst.Name) else None
-        partitioned = _partitioned(local.value if local else init, self.scope)
+        value = local.value if local else init
+        if self.source.style == "compact":
+            value = src.substitute(value, self.values)
+        partitioned = _partitioned(value, self.scope)
         if partitioned is None:
-            return code_of(init), None
+            return self.text(init) or code_of(init), None
         if local is not None:
             uses = sum(
                 1
@@ -417,6 +517,20 @@ def _partitioned(init: cst.BaseExpression, scope: Mapping[str, Any]) -> tuple[st
     ):
         return code_of(init.args[0].value), code_of(init.args[1].value)
     return None
+
+
+def _same_object(a: Any, b: Any) -> bool:
+    return a is b or _same(a, b) or _same_function(a, b)
+
+
+def _same_function(a: Any, b: Any) -> bool:
+    """Two closures of one function over equal values (two `nd_dense_init(1.0, ...)`)."""
+    if not (isinstance(a, types.FunctionType) and isinstance(b, types.FunctionType)):
+        return False
+    if a.__code__ is not b.__code__ or a.__defaults__ != b.__defaults__:
+        return False
+    cells = zip(a.__closure__ or (), b.__closure__ or (), strict=True)
+    return all(_same_object(x.cell_contents, y.cell_contents) for x, y in cells)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -39,6 +39,7 @@ class Site:
     in_loop: bool
     assigned: str | None = None  # in `setup`: the attribute it is assigned to, `self.NAME = ...`
     via_local: bool = False  # constructed through a local holding the class (`cls(...)`)
+    factory: bool = False  # a function called with `name="..."` that may return a module
     container: int | None = None  # in `setup`: the id of the list `self.NAME = [...]` built in
 
 
@@ -198,6 +199,35 @@ def locals_of(function: cst.FunctionDef) -> dict[str, Local]:
     return single
 
 
+def substitute(node: cst.BaseExpression, values: Mapping[str, cst.BaseExpression]) -> Any:
+    """`node` with each local name read in it replaced by its value (`cfg.dtype` ->
+    `self.config.dtype` where `cfg = self.config`); attributes' and keywords' own names kept."""
+    kept: set[int] = set()
+
+    class Names(cst.CSTVisitor):
+        def visit_Attribute(self, node: cst.Attribute) -> None:
+            kept.add(id(node.attr))
+
+        def visit_Arg(self, node: cst.Arg) -> None:
+            if node.keyword is not None:
+                kept.add(id(node.keyword))
+
+    class Substitute(cst.CSTTransformer):
+        def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> Any:
+            value = values.get(original_node.value)
+            if value is None or id(original_node) in kept:
+                return updated_node
+            simple = isinstance(value, cst.Name | cst.Attribute | cst.Subscript | cst.Call)
+            return (
+                value
+                if simple
+                else value.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+            )
+
+    node.visit(Names())
+    return node.visit(Substitute())
+
+
 def holding_classes(function: cst.FunctionDef, scope: Mapping[str, Any]) -> dict[str, type]:
     """The locals `function` assigns a Linen class only (`block = Block`, then maybe
     `block = nn.remat(block, ...)`), each with its class."""
@@ -283,21 +313,24 @@ class _Finder(cst.CSTVisitor):
         if via_local:
             target = self.class_locals[func.value]
         product = isinstance(func, cst.Call) and resolve(func.func, self.scope) in TRANSFORMS
-        if not (product or (isinstance(target, type) and issubclass(target, nn.Module))):
-            return
         name = next((a.value for a in node.args if a.keyword and a.keyword.value == "name"), None)
         explicit = name.evaluated_value if isinstance(name, cst.SimpleString) else None
+        module_class = isinstance(target, type) and issubclass(target, nn.Module)
+        factory = not (product or module_class) and explicit is not None
+        if not (product or module_class or factory):
+            return
         self.sites.append(
             Site(
                 node,
                 self._line(node),
-                None if product else target,
+                target if module_class else None,
                 explicit,
                 self.calling.get(id(node)),
                 self.loops > 0,
                 self.assigned,
-                via_local,
-                self.container,
+                via_local=via_local,
+                factory=factory,
+                container=self.container,
             )
         )
 
