@@ -153,6 +153,69 @@ class Twice(nn.Module):
         return Gate(2)(y)
 """
 
+WRAPPED = """
+import flax.linen as nn
+from flax import nnx
+
+
+class Scaled(nnx.Module):
+    def __init__(self, features: int, scale: float = 1.0, bias: bool = True, *, rngs):
+        self.linear = nnx.Linear(features, features, use_bias=bias, rngs=rngs)
+        self.scale = scale
+
+    def __call__(self, x):
+        return self.linear(x) * self.scale
+
+
+def scaled(features, scale=1.0, bias=True, name=None):
+    kwargs = {"scale": scale, "bias": bias}
+    return nnx.bridge.ToLinen(Scaled, args=(features,), kwargs=kwargs, name=name)
+
+
+class Half(nn.Module):
+    \"\"\"A half-migrated module: an NNX layer wrapped for Linen by a factory.\"\"\"
+
+    width: int = 4
+    scale: float = 0.5
+
+    @nn.compact
+    def __call__(self, x):
+        width = self.width
+        y = scaled(width, scale=self.scale, name="inner")(x)
+        return nn.Dense(width)(y)
+"""
+
+STACK = """
+import flax.linen as nn
+
+
+class Block(nn.Module):
+    width: int
+
+    def setup(self):
+        self.dense = nn.Dense(self.width)
+
+    def __call__(self, x, scale):
+        return nn.tanh(self.dense(x)) * scale
+
+
+class Stack(nn.Module):
+    depth: int = 3
+    width: int = 4
+    remat: bool = True
+
+    def setup(self):
+        block = Block
+        if self.remat:
+            block = nn.remat(block, static_argnums=2)
+        self.blocks = [block(self.width, name=f"blocks.{i}") for i in range(self.depth)]
+
+    def __call__(self, x):
+        for b in self.blocks:
+            x = b(x, 2.0)
+        return x
+"""
+
 
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):
@@ -302,6 +365,64 @@ def test_instances_needing_different_sizes_leave_their_class_bridged(user_module
     assert gate_class.emitted is None and "need different NNX code" in gate_class.refused
     assert [s.line for s in result.stubs] == [16, 17]
     assert "not ported: Gate (its instances at Gate_0 and Gate_1" in result.summary()
+
+
+def test_a_wrapped_nnx_module_is_its_own_port_and_locals_read_as_fields(user_module, tmp_path):
+    """`nnx.bridge.ToLinen` built by a factory with `name=`: the port builds the NNX class
+    itself, each argument the call's expression where it gives the traced value (else the
+    value), the class's own defaults left out; `width = self.width` read through the field."""
+    module = user_module("port_wrapped", WRAPPED)
+    result = command.port(module.Half, "float32[2,4]", tmp_path / "out")
+    assert result.status == 0, result.gate.report
+    assert [(p.linen, p.form) for p in result.placed] == [
+        ("inner", "Scaled (NNX, unwrapped)"),
+        ("Dense_0", "nn.Dense -> nnx.Linear"),
+    ]
+    code = result.nnx_path.read_text()
+    assert "self.inner = Scaled(4, scale=self.scale, rngs=rngs)" in code  # bias: the default
+    assert "self.Dense_0 = nnx.Linear(self.width, out_features=self.width, rngs=rngs)" in code
+    assert "from port_wrapped import Scaled" in code
+
+
+def test_a_list_of_rematerialised_blocks_made_in_setup(user_module, tmp_path):
+    """`[block(..., name=f"blocks.{i}") for ...]` through a local holding `nn.remat(Block)`:
+    an `nnx.List` of the ported class rematerialised by the port's `remat_class`; the
+    weight map carries `blocks.0` to `blocks/0`."""
+    module = user_module("port_stack", STACK)
+    result = command.port(module.Stack, "float32[2,4]", tmp_path)
+    assert result.status == 0, result.gate.report
+    code = result.nnx_path.read_text()
+    assert "def remat_class(cls, **options):" in code
+    assert "block = remat_class(block, static_argnums=2)" in code and "block = Block\n" in code
+    assert (
+        "self.blocks = nnx.List([block(self.width, rngs=rngs) for i in range(self.depth)])"
+    ) in code
+    assert result.renames == {(f"blocks.{i}",): ("blocks", str(i)) for i in range(3)}
+    assert [p.attribute for p in result.placed] == ["blocks/0", "blocks/1", "blocks/2"]
+
+
+def test_classes_from_another_file_of_the_package_are_ported_into_their_own_file(
+    tmp_path, monkeypatch
+):
+    """A model file in, a model file out: the user's class imported from a sibling module is
+    ported into that module's NNX file, which the root's port imports."""
+    package = tmp_path / "portpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "parts.py").write_text(textwrap.dedent(BRIDGED).split("class Block")[0])
+    (package / "whole.py").write_text(
+        "import flax.linen as nn\nfrom portpkg.parts import Gate\n\n\n"
+        "class Whole(nn.Module):\n    @nn.compact\n    def __call__(self, x):\n"
+        "        return Gate(3, name='gate')(nn.Dense(3)(x))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from portpkg import whole
+
+    result = command.port(whole.Whole, "float32[2,5]", tmp_path / "out")
+    assert result.status == 0, result.gate.report
+    assert [p.name for p in result.other_files] == ["parts_nnx.py"]
+    assert "from parts_nnx import Gate" in result.nnx_path.read_text()
+    assert "class Gate(nnx.Module):" in result.other_files[0].read_text()
 
 
 @pytest.mark.parametrize(

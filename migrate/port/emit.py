@@ -40,6 +40,7 @@ class Stub:
     line: int
     idiom: str
     note: str
+    linen_code: bool = False  # Linen-only code left in the class: it cannot run in NNX
 
     def __str__(self) -> str:
         return f"line {self.line}: {self.idiom}: {self.note}"
@@ -430,14 +431,14 @@ class _Planner:
                 self.param(call)
             elif call.method == "sow":
                 self.sow(call)
-            elif call.method in src.LINEN_ONLY:
+            elif call.method in src.LINEN_ONLY or isinstance(call.node, cst.Attribute):
                 note = "Linen-only API, left as written: port it by hand"
-                self.mark(call, f"self.{call.method}", note)
+                self.mark(call, f"self.{call.method}", note, linen_code=True)
 
-    def mark(self, call: src.SelfCall, idiom: str, note: str) -> None:
+    def mark(self, call: src.SelfCall, idiom: str, note: str, linen_code: bool = False) -> None:
         comment = f"{STUB} (Linen line {call.line}): {idiom}: {note}"
         self.self_edits[id(call.node)] = src.SelfEdit(None, comment)
-        self.stubs.append(Stub(call.line, idiom, note))
+        self.stubs.append(Stub(call.line, idiom, note, linen_code))
 
     def param(self, call: src.SelfCall) -> None:
         args = call.node.args

@@ -129,6 +129,9 @@ def port_tree(root: type, trace: Trace, names: str) -> TreePort:
                 at = _subtrace(trace, path) if path is not None else None
                 emitted = emit.emit(source, at, names, ported, refused)
                 written.setdefault(emitted.code, (path, emitted))
+            left = [s for s in emitted.stubs if s.linen_code]
+            if left and cls is not root:  # Linen code the port cannot run: bridge the class
+                raise src.PortError(f"{cls.__name__}: line {left[0].line}: {left[0].idiom}")
             if len(written) > 1:
                 at = " and ".join("/".join(p) or "the root" for p, _ in written.values())
                 raise src.PortError(

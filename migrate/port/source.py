@@ -20,6 +20,8 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 from migrate.errors import BadInput
 
 LINEN_ONLY = ("variable", "make_rng", "is_initializing", "is_mutable_collection", "put_variable")
+# Attributes of a bound Linen module that an NNX module has not: `self.variables` and the rest.
+LINEN_ATTRIBUTES = ("variables", "scope", "is_initializing", "has_rng", "has_variable")
 LOOPS = (cst.For, cst.While, cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp)
 
 
@@ -45,9 +47,10 @@ class Site:
 
 @dataclasses.dataclass(frozen=True)
 class SelfCall:
-    """A `self.param(...)`, `self.sow(...)` or other Linen-only method called in `__call__`."""
+    """A `self.param(...)`, `self.sow(...)` or other Linen-only method called (or attribute
+    read: `self.variables`) in a method."""
 
-    node: cst.Call
+    node: cst.Call | cst.Attribute
     line: int
     method: str
     assigned: str | None = None  # in `setup`: `self.NAME = self.param(...)`
@@ -112,6 +115,14 @@ def read(cls: type) -> ClassSource:
             finder.class_locals = holding_classes(body, vars(module))
             class_locals.update(finder.class_locals)
             body.visit(finder)
+    finder.sites_too = False  # the other methods: their Linen-only calls only
+    for method in class_def.body.body:
+        if isinstance(method, cst.FunctionDef) and method not in (call, setup):
+            method.visit(finder)
+    own = set(methods) | {f.target.value for f in fields if isinstance(f.target, cst.Name)}
+    for attribute in finder.attributes:
+        if attribute.method not in own:
+            finder.self_calls.append(attribute)
     return ClassSource(
         cls, module, first, class_def, call, fields, tuple(finder.sites),
         tuple(finder.self_calls), setup, class_locals,
@@ -268,6 +279,18 @@ class _Finder(cst.CSTVisitor):
         self.assigned: str | None = None
         self.container: int | None = None
         self.class_locals: Mapping[str, type] = {}
+        self.sites_too = True
+        self.attributes: list[SelfCall] = []
+        self.called: set[int] = set()  # `self.is_initializing` in `self.is_initializing()`
+
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        if (
+            isinstance(node.value, cst.Name)
+            and node.value.value == "self"
+            and node.attr.value in LINEN_ATTRIBUTES
+            and id(node) not in self.called
+        ):
+            self.attributes.append(SelfCall(node, self._line(node), node.attr.value))
 
     def visit_Assign(self, node: cst.Assign) -> None:
         target = node.targets[0].target if len(node.targets) == 1 else None
@@ -300,6 +323,7 @@ class _Finder(cst.CSTVisitor):
         if isinstance(node.func, cst.Call):
             self.calling[id(node.func)] = node
         func = node.func
+        self.called.add(id(func))
         if (
             isinstance(func, cst.Attribute)
             and isinstance(func.value, cst.Name)
@@ -307,6 +331,8 @@ class _Finder(cst.CSTVisitor):
         ):
             method = func.attr.value
             self.self_calls.append(SelfCall(node, self._line(node), method, self.assigned))
+            return
+        if not self.sites_too:
             return
         target = resolve(func, self.scope)
         via_local = isinstance(func, cst.Name) and func.value in self.class_locals
@@ -438,6 +464,9 @@ class _Rewriter(cst.CSTTransformer):
         """`nn.relu` -> `nnx.relu` where NNX exports the same function; a parameter made in
         `setup` read as its value, `self.kernel` -> `self.kernel[...]`; a ported class by
         its port's name."""
+        marked = self.edits.calls.get(id(original_node))
+        if marked is not None and marked.comment:
+            self.marks.append(marked.comment)
         if (
             isinstance(original_node.value, cst.Name)
             and original_node.value.value == "self"
