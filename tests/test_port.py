@@ -216,6 +216,20 @@ class Stack(nn.Module):
         return x
 """
 
+LOOPED = """
+import flax.linen as nn
+
+
+class Tower(nn.Module):
+    depth: int = 3
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(self.depth):
+            x = nn.relu(nn.Dense(x.shape[-1], name=f"dense_{i}")(x))
+        return nn.Dense(2)(x)
+"""
+
 
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):
@@ -399,6 +413,24 @@ def test_a_list_of_rematerialised_blocks_made_in_setup(user_module, tmp_path):
     ) in code
     assert result.renames == {(f"blocks.{i}",): ("blocks", str(i)) for i in range(3)}
     assert [p.attribute for p in result.placed] == ["blocks/0", "blocks/1", "blocks/2"]
+
+
+def test_submodules_made_in_a_compact_loop_are_made_in_the_same_loop_in_init(
+    user_module, tmp_path
+):
+    """`for i in range(self.depth): nn.Dense(..., name=f"dense_{i}")(x)`: the same loop in
+    `__init__` sets each layer by its Linen name, `__call__` reads it back with `getattr`."""
+    module = user_module("port_tower", LOOPED)
+    result = command.port(module.Tower, "float32[2,4]", tmp_path)
+    assert result.status == 0, result.gate.report
+    code = result.nnx_path.read_text()
+    assert (
+        "        for i in range(self.depth):\n"
+        '            setattr(self, f"dense_{i}", nnx.Linear(4, out_features=4, rngs=rngs))\n'
+    ) in code
+    assert 'x = nnx.relu(getattr(self, f"dense_{i}")(x))' in code
+    assert [p.linen for p in result.placed] == ["dense_0", "dense_1", "dense_2", "Dense_0"]
+    assert result.renames == {}
 
 
 def test_classes_from_another_file_of_the_package_are_ported_into_their_own_file(

@@ -1,5 +1,7 @@
 """Fields for ports of modules built on objects no command line can spell (`--fields_from`):
-the twins' Linen layers on a shipped config and its mesh, as `docs/port.md` ports them.
+the twins' Linen layers on a shipped config and its mesh, recurrentgemma's Griffin and
+MaxText's Linen decoder layer at tiny sizes, as `docs/port.md` ports them
+(`bench/port_corpus.py`). The corpus's own packages are imported only by their functions.
 
     migrate port migrate.linen.layers:DecoderLayer --inputs='float32[2,16,64];int32[2,16]' \\
         --fields_from=migrate.port.corpus:llama2_tiny
@@ -50,3 +52,45 @@ def griffin_tiny() -> dict[str, Any]:
         logits_soft_cap=30.0,
     )
     return {"config": config}
+
+
+def maxtext_decoder_layer() -> dict[str, Any]:
+    """MaxText's Linen `decoders.DecoderLayer` (0.2.3) on a tiny llama2 shape and its mesh
+    (MaxText importable: its release environment's packages on the path)."""
+    import os
+
+    os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
+    import maxtext
+    from maxtext.configs import pyconfig
+    from maxtext.utils import maxtext_utils
+
+    base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
+    config = pyconfig.initialize(
+        [None, base],
+        run_name="port",
+        hardware="cpu",
+        skip_jax_distributed_system=True,
+        enable_checkpointing=False,
+        jax_cache_dir="",
+        dataset_type="synthetic",
+        enable_dropout=False,
+        dropout_rate=0.0,
+        base_emb_dim=64,
+        base_num_query_heads=4,
+        base_num_kv_heads=2,
+        head_dim=16,
+        base_mlp_dim=128,
+        base_num_decoder_layers=2,
+        vocab_size=256,
+        max_target_length=16,
+        per_device_batch_size=1,
+        attention="dot_product",
+        scan_layers=False,
+    )
+    mesh = maxtext_utils.get_mesh_from_config(config)
+    return {"config": config, "mesh": mesh, "model_mode": "train"}
+
+
+def llama2_tiny_reference() -> dict[str, Any]:
+    """The twins' decoder as the non-pipelined reference (`use_pipeline=False`)."""
+    return {**llama2_tiny(), "use_pipeline": False}

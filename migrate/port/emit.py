@@ -114,6 +114,11 @@ class _Planner:
             self.needs |= imports_for(value)
         return text
 
+    @property
+    def fields(self) -> Mapping[str, Any]:
+        """The traced instance's field values (none for a class the trace never built)."""
+        return self.trace.module.attributes if self.trace is not None else {}
+
     def attribute(self, linen_name: str) -> str:
         return linen_name if self.names == "linen" else snake(linen_name)
 
@@ -138,28 +143,33 @@ class _Planner:
 
     def size(self, value: int | tuple[int, ...]) -> str:
         """A traced size, through the module's own field where one holds it."""
-        fields = self.trace.module.attributes if self.trace is not None else {}
+        fields = self.fields
         own = next((k for k, v in fields.items() if type(v) is type(value) and v == value), None)
         return f"self.{own}" if own is not None else repr(value)
 
     # Submodules of a compact __call__ ------------------------------------------------------
 
     def compact_sites(self) -> None:
-        children = self.trace.children
+        children = list(self.trace.children)
         traced = {c.name for c in children}
         sites = [s for s in self.source.sites if not s.factory or s.explicit_name in traced]
-        looped = next((s for s in sites if s.in_loop), None)
-        if looped is not None:
+        looped = {id(s.node): self.loop_names(s) for s in sites if s.in_loop}
+        in_loops = {n for names in looped.values() for n in names}
+        rest = [c for c in children if c.name not in in_loops]
+        single = [s for s in sites if not s.in_loop]
+        if len(single) != len(rest):
+            lines = ", ".join(str(s.line) for s in single)
             raise src.PortError(
-                f"line {looped.line}: a submodule created in a loop is not ported yet"
+                f"{len(single)} submodule constructors in __call__ (lines {lines}) but the "
+                f"trace created {len(rest)}: conditional submodules are not ported yet"
             )
-        if len(sites) != len(children):
-            lines = ", ".join(str(s.line) for s in sites)
-            raise src.PortError(
-                f"{len(sites)} submodule constructors in __call__ (lines {lines}) but the "
-                f"trace created {len(children)}: conditional submodules are not ported yet"
-            )
-        for site, child in zip(sites, children, strict=True):
+        matched = iter(zip(single, rest, strict=True))
+        loops_written: set[int] = set()
+        for site in sites:
+            if site.in_loop:
+                self.loop_site(site, looped[id(site.node)], loops_written)
+                continue
+            site, child = next(matched)
             if site.explicit_name not in (None, child.name):
                 raise src.PortError(f"line {site.line}: the trace names it {child.name}")
             attr = self.attribute(child.name)
@@ -171,6 +181,54 @@ class _Planner:
                 self.init_lines.append(f"self.{attr} = {expression}")
             self.edits[id(site.node)] = src.CallEdit(attr, *self.call_changes(site))
             self.placed.append(Placed(child.name, attr, form))
+
+    def loop_names(self, site: src.Site) -> list[str]:
+        """The names a submodule made in a `for` loop takes, one per iteration: its `name=`
+        evaluated over the loop's iterable (which `__init__` must be able to evaluate)."""
+        loop = site.loop
+        name = next(
+            (a.value for a in site.node.args if a.keyword and a.keyword.value == "name"), None
+        )
+        if not isinstance(loop, cst.For) or name is None:
+            raise src.PortError(
+                f"line {site.line}: a submodule made in a loop is ported only from a `for` loop "
+                'with an explicit name= (name=f"layers_{i}")'
+            )
+        iterable = self.text(loop.iter)
+        if iterable is None:
+            raise src.PortError(f"line {site.line}: the loop's iterable reads values of __call__")
+        target = code_of(loop.target)
+        names = self.evaluate(f"[{code_of(name)} for {target} in {iterable}]")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise src.PortError(f"line {site.line}: its names cannot be evaluated")
+        return names
+
+    def loop_site(self, site: src.Site, names: list[str], written: set[int]) -> None:
+        """`for ...: setattr(self, NAME, CONSTRUCTOR)` in `__init__` (every iteration's
+        constructor the same code), `getattr(self, NAME)` where `__call__` built it."""
+        loop = site.loop
+        name = next(a.value for a in site.node.args if a.keyword and a.keyword.value == "name")
+        forms = {self.constructor(site, self.trace.child(n)) for n in names}
+        if len(forms) != 1:
+            raise src.PortError(f"line {site.line}: its iterations need different constructors")
+        ((expression, form),) = forms
+        if expression is None:
+            raise src.PortError(f"line {site.line}: {form.split('# ', 1)[1]}")
+        if id(loop) not in written:
+            written.add(id(loop))
+            self.init_lines.append(f"for {code_of(loop.target)} in {self.text(loop.iter)}:")
+        self.init_lines.append(f"    setattr(self, {code_of(name)}, {expression})")
+        getter = f"getattr(self, {code_of(name)})"
+        self.edits[id(site.node)] = src.CallEdit(names[0], *self.call_changes(site), getter)
+        self.placed += [Placed(n, n, form) for n in names]
+
+    def evaluate(self, text: str) -> Any:
+        """`text` evaluated with `self` the traced module's fields (None where it raises)."""
+        fields = self.fields
+        try:  # the user's own expression, from their own source, on their own values
+            return eval(text, dict(self.scope), {"self": types.SimpleNamespace(**fields)})
+        except Exception:
+            return None
 
     # Submodules made in setup --------------------------------------------------------------
 
@@ -307,7 +365,7 @@ class _Planner:
             text = self.text(node)
             if text is not None and self.evaluates_to(text, value):
                 return text
-        fields = self.trace.module.attributes if self.trace is not None else {}
+        fields = self.fields
         held = next((k for k, v in fields.items() if v is value and literal(v) is None), None)
         if held is not None:
             return f"self.{held}"
@@ -315,11 +373,11 @@ class _Planner:
 
     def evaluates_to(self, text: str, value: Any) -> bool:
         """Whether `text`, evaluated with `self` the traced module's fields, gives `value`."""
-        fields = self.trace.module.attributes if self.trace is not None else {}
-        namespace = {"self": types.SimpleNamespace(**fields)}
-        try:  # the user's own expression, from their own source, on their own values
-            found = eval(text, dict(self.scope), namespace)
-            return _same_object(found, value) or bool(found == value)
+        found = self.evaluate(text)
+        try:
+            return (found is not None or value is None) and (
+                _same_object(found, value) or bool(found == value)
+            )
         except Exception:
             return False
 
@@ -412,7 +470,13 @@ class _Planner:
             [f"{k}={self.literal(v)}" for k, v in child.literal_kwargs.items()] if child else []
         )
         if linen is None or None in inputs or child is None or not child.called:
-            note = "reads values of __call__ or is never called: port it by hand"
+            if child is None:
+                why_not = "never built on these inputs (a branch the trace did not take)"
+            elif not child.called:
+                why_not = "never called, so its inputs are unknown"
+            else:
+                why_not = "its constructor or inputs read values of __call__"
+            note = f"{why_not}: port it by hand"
             self.stubs.append(Stub(site.line, idiom, note))
             return None, f"None  # {STUB} (Linen line {site.line}): {idiom}: {note}"
         note = "bridged through nnx.bridge.ToNNX; port it by hand"
@@ -431,6 +495,9 @@ class _Planner:
                 self.param(call)
             elif call.method == "sow":
                 self.sow(call)
+            elif call.lifted:
+                note = "a Linen lifted transform on a module: port it by hand (nnx.scan, nnx.vmap)"
+                self.mark(call, call.method, note, linen_code=True)
             elif call.method in src.LINEN_ONLY or isinstance(call.node, cst.Attribute):
                 note = "Linen-only API, left as written: port it by hand"
                 self.mark(call, f"self.{call.method}", note, linen_code=True)

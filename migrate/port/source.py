@@ -42,6 +42,7 @@ class Site:
     assigned: str | None = None  # in `setup`: the attribute it is assigned to, `self.NAME = ...`
     via_local: bool = False  # constructed through a local holding the class (`cls(...)`)
     factory: bool = False  # a function called with `name="..."` that may return a module
+    loop: cst.CSTNode | None = None  # the innermost loop it is made in (`for ... in ...:`)
     container: int | None = None  # in `setup`: the id of the list `self.NAME = [...]` built in
 
 
@@ -54,6 +55,7 @@ class SelfCall:
     line: int
     method: str
     assigned: str | None = None  # in `setup`: `self.NAME = self.param(...)`
+    lifted: bool = False  # `method`: a function of the user's applying a lifted transform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +125,12 @@ def read(cls: type) -> ClassSource:
     for attribute in finder.attributes:
         if attribute.method not in own:
             finder.self_calls.append(attribute)
+    for handing, function in finder.handed:
+        transform = lifted_transform(function)
+        if transform is not None:
+            idiom = f"{function.__name__}(self...) applies nn.{transform.__name__} to a submodule"
+            line = finder._line(handing)
+            finder.self_calls.append(SelfCall(handing, line, idiom, lifted=True))
     return ClassSource(
         cls, module, first, class_def, call, fields, tuple(finder.sites),
         tuple(finder.self_calls), setup, class_locals,
@@ -239,6 +247,27 @@ def substitute(node: cst.BaseExpression, values: Mapping[str, cst.BaseExpression
     return node.visit(Substitute())
 
 
+def lifted_transform(function: Any) -> Any:
+    """The Linen lifted transform (`nn.scan`, `nn.vmap`, ...) a function of the user's code
+    calls, if any: one it applies to a module handed to it has no NNX form by rewriting."""
+    if function.__module__.split(".")[0] in ("flax", "jax"):
+        return None
+    try:
+        tree = cst.parse_module(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, cst.ParserSyntaxError):
+        return None
+    scope = vars(inspect.getmodule(function) or builtins)
+    found: list[Any] = []
+
+    class Calls(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            if resolve(node.func, scope) in TRANSFORMS:
+                found.append(resolve(node.func, scope))
+
+    tree.visit(Calls())
+    return found[0] if found else None
+
+
 def holding_classes(function: cst.FunctionDef, scope: Mapping[str, Any]) -> dict[str, type]:
     """The locals `function` assigns a Linen class only (`block = Block`, then maybe
     `block = nn.remat(block, ...)`), each with its class."""
@@ -274,13 +303,14 @@ class _Finder(cst.CSTVisitor):
         self.scope, self.positions, self.offset = scope, positions, offset
         self.sites: list[Site] = []
         self.self_calls: list[SelfCall] = []
-        self.loops = 0
+        self.loops: list[cst.CSTNode] = []
         self.calling: dict[int, cst.Call] = {}
         self.assigned: str | None = None
         self.container: int | None = None
         self.class_locals: Mapping[str, type] = {}
         self.sites_too = True
         self.attributes: list[SelfCall] = []
+        self.handed: list[tuple[cst.Call, Any]] = []  # a submodule handed to a function
         self.called: set[int] = set()  # `self.is_initializing` in `self.is_initializing()`
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
@@ -311,12 +341,12 @@ class _Finder(cst.CSTVisitor):
 
     def on_visit(self, node: cst.CSTNode) -> bool:
         if isinstance(node, LOOPS):
-            self.loops += 1
+            self.loops.append(node)
         return super().on_visit(node)
 
     def on_leave(self, original_node: cst.CSTNode) -> None:
         if isinstance(original_node, LOOPS):
-            self.loops -= 1
+            self.loops.pop()
         super().on_leave(original_node)
 
     def visit_Call(self, node: cst.Call) -> None:
@@ -332,9 +362,16 @@ class _Finder(cst.CSTVisitor):
             method = func.attr.value
             self.self_calls.append(SelfCall(node, self._line(node), method, self.assigned))
             return
+        target = resolve(func, self.scope)
+        if isinstance(target, types.FunctionType) and any(
+            isinstance(a.value, cst.Attribute)
+            and isinstance(a.value.value, cst.Name)
+            and a.value.value.value == "self"
+            for a in node.args
+        ):
+            self.handed.append((node, target))
         if not self.sites_too:
             return
-        target = resolve(func, self.scope)
         via_local = isinstance(func, cst.Name) and func.value in self.class_locals
         if via_local:
             target = self.class_locals[func.value]
@@ -352,11 +389,12 @@ class _Finder(cst.CSTVisitor):
                 target if module_class else None,
                 explicit,
                 self.calling.get(id(node)),
-                self.loops > 0,
+                bool(self.loops),
                 self.assigned,
                 via_local=via_local,
                 factory=factory,
                 container=self.container,
+                loop=self.loops[-1] if self.loops else None,
             )
         )
 
@@ -369,6 +407,7 @@ class CallEdit:
     attribute: str
     call_kwargs: tuple[tuple[str, cst.BaseExpression], ...] = ()
     call_renamed: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    expression: str | None = None  # instead of `self.ATTR`: `getattr(self, f"layers_{i}")`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,7 +448,10 @@ class _Rewriter(cst.CSTTransformer):
                 self.marks.append(edit.comment)
             return edit.replacement or updated_node
         if id(original_node) in edits.sites:
-            return _self_attribute(edits.sites[id(original_node)].attribute)
+            edit = edits.sites[id(original_node)]
+            if edit.expression is not None:
+                return cst.parse_expression(edit.expression)
+            return _self_attribute(edit.attribute)
         if isinstance(original_node.func, cst.Call) and id(original_node.func) in edits.sites:
             edit = edits.sites[id(original_node.func)]
             args = [
