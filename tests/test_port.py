@@ -230,6 +230,39 @@ class Tower(nn.Module):
         return nn.Dense(2)(x)
 """
 
+HALF_LINEN = """
+import enum
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+
+class Kind(enum.Enum):
+    PLAIN = 1
+    SCALED = 2
+
+
+class Counter(nn.Module):  # Linen-only code: not ported, bridged where it is built
+    @nn.compact
+    def __call__(self, x):
+        scale = 1.0 if self.is_initializing() else 2.0
+        return nn.Dense(4)(x) * scale
+
+
+class Codec(nn.Module):
+    vocab: int = 10
+    kind: Kind = Kind.SCALED
+
+    def setup(self):
+        self.table = self.param("table", nn.initializers.normal(1.0), (self.vocab, 4))
+        self.counter = Counter()
+
+    def encode(self, ids):
+        rows = jnp.take(self.table, ids, axis=0)
+        rows = rows * 2.0 if self.kind == Kind.SCALED else rows
+        return self.counter(rows)
+"""
+
 
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):
@@ -415,9 +448,7 @@ def test_a_list_of_rematerialised_blocks_made_in_setup(user_module, tmp_path):
     assert [p.attribute for p in result.placed] == ["blocks/0", "blocks/1", "blocks/2"]
 
 
-def test_submodules_made_in_a_compact_loop_are_made_in_the_same_loop_in_init(
-    user_module, tmp_path
-):
+def test_submodules_made_in_a_compact_loop_are_made_in_the_same_loop_in_init(user_module, tmp_path):
     """`for i in range(self.depth): nn.Dense(..., name=f"dense_{i}")(x)`: the same loop in
     `__init__` sets each layer by its Linen name, `__call__` reads it back with `getattr`."""
     module = user_module("port_tower", LOOPED)
@@ -431,6 +462,27 @@ def test_submodules_made_in_a_compact_loop_are_made_in_the_same_loop_in_init(
     assert 'x = nnx.relu(getattr(self, f"dense_{i}")(x))' in code
     assert [p.linen for p in result.placed] == ["dense_0", "dense_1", "dense_2", "Dense_0"]
     assert result.renames == {}
+
+
+def test_linen_only_code_leaves_its_class_bridged_and_another_method_is_gated(
+    user_module, tmp_path
+):
+    """A class reading `self.is_initializing()` and `self.variables` is bridged where it is
+    built (the reason named), the rest ported; an enum field is written by name in the gate;
+    `method="encode"` traces and gates that method."""
+    module = user_module("port_codec", HALF_LINEN)
+    result = command.port(module.Codec(kind=module.Kind.PLAIN), "int32[2,3]", tmp_path,
+                          method="encode")  # fmt: skip
+    assert result.status == 0, result.gate.report
+    counter = result.classes[0]
+    assert counter.cls.__name__ == "Counter" and counter.emitted is None
+    assert counter.refused == "line 16: self.is_initializing"
+    assert "nnx.bridge.ToNNX(Counter(), rngs=rngs)" in result.nnx_path.read_text()
+    gate = result.test_path.read_text()
+    assert "from port_codec import Kind" in gate and "FIELDS = {'kind': Kind.PLAIN}" in gate
+    assert "method='encode'" in gate
+    with pytest.raises(errors.BadInput, match="Codec has no method 'decode'"):
+        command.port(module.Codec, "int32[2,3]", tmp_path / "x", method="decode")
 
 
 def test_classes_from_another_file_of_the_package_are_ported_into_their_own_file(
@@ -455,6 +507,32 @@ def test_classes_from_another_file_of_the_package_are_ported_into_their_own_file
     assert [p.name for p in result.other_files] == ["parts_nnx.py"]
     assert "from parts_nnx import Gate" in result.nnx_path.read_text()
     assert "class Gate(nnx.Module):" in result.other_files[0].read_text()
+
+
+@pytest.mark.slow
+def test_the_twins_decoder_ports_with_its_pipeline_bridged(tmp_path, monkeypatch):
+    """The whole twins' Linen decoder: its layers ported, the pipeline (Linen-only code)
+    bridged, a bit-exact gate; as the reference, the layers scanned by a Linen lifted
+    transform in a helper are named as the idiom left, and the gate fails (exit 1)."""
+    from migrate.linen import decoder
+
+    pipelined = command.port(
+        decoder.Decoder, "int32[16,16]", tmp_path / "pipelined",
+        fields_from="migrate.port.corpus:llama2_tiny",
+    )  # fmt: skip
+    assert pipelined.status == 0, pipelined.gate.report
+    refused = {c.cls.__name__: c.refused for c in pipelined.classes if c.refused}
+    assert refused["Pipeline"] == "line 153: self.is_initializing"
+    assert [p.name for p in pipelined.other_files] == ["layers_nnx.py"]
+    reference = command.port(
+        decoder.Decoder, "int32[16,16]", tmp_path / "reference",
+        fields_from="migrate.port.corpus:llama2_tiny_reference",
+    )  # fmt: skip
+    assert reference.status == 1
+    assert "roundtrip  FAIL" in reference.gate.report
+    assert any(
+        s.idiom == "scan_layers(self...) applies nn.scan to a submodule" for s in reference.stubs
+    )
 
 
 @pytest.mark.parametrize(
