@@ -94,3 +94,17 @@ def maxtext_decoder_layer() -> dict[str, Any]:
 def llama2_tiny_reference() -> dict[str, Any]:
     """The twins' decoder as the non-pipelined reference (`use_pipeline=False`)."""
     return {**llama2_tiny(), "use_pipeline": False}
+
+
+def maxtext_sequential_layers() -> dict[str, Any]:
+    """MaxText's `decoders.SequentialBlockDecoderLayers` (0.2.3): two of its Linen decoder
+    layers, the layer class held in a field."""
+    from maxtext.layers import decoders
+
+    fields = maxtext_decoder_layer()
+    return {
+        **fields,
+        "decoder_layer": decoders.DecoderLayer,
+        "num_decoder_layers": 2,
+        "quant": None,
+    }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import functools
 import inspect
 import textwrap
 import types
@@ -80,6 +81,7 @@ class ClassSource:
         return "compact" if self.call is not None else "setup" if self.setup else "plain"
 
 
+@functools.lru_cache(maxsize=256)
 def read(cls: type) -> ClassSource:
     """`cls`'s source, parsed; PortError for a class without a compact `__call__`."""
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
@@ -247,6 +249,7 @@ def substitute(node: cst.BaseExpression, values: Mapping[str, cst.BaseExpression
     return node.visit(Substitute())
 
 
+@functools.lru_cache(maxsize=256)
 def lifted_transform(function: Any) -> Any:
     """The Linen lifted transform (`nn.scan`, `nn.vmap`, ...) a function of the user's code
     calls, if any: one it applies to a module handed to it has no NNX form by rewriting."""
