@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from migrate.errors import BadInput
-from migrate.port import emit, gate_file, model, spec, trace, weights
+from migrate.port import gate_file, model, spec, trace, weights
 from migrate.port import source as src
 from migrate.port.layers import literal
+from migrate.port.ported import HEADER, Placed, Stub
 
 NAMES = ("linen", "snake")  # attribute names: Linen's own (identity map), or snake_case
 
@@ -40,8 +41,8 @@ class PortResult:
     nnx_path: Path
     weight_map_path: Path
     test_path: Path
-    placed: tuple[emit.Placed, ...]  # the root class's submodules and parameters
-    stubs: tuple[emit.Stub, ...]  # every class's
+    placed: tuple[Placed, ...]  # the root class's submodules and parameters
+    stubs: tuple[Stub, ...]  # every class's
     renames: Mapping[tuple[str, ...], tuple[str, ...]]
     gate: Gate | None
     seconds: Mapping[str, float]
@@ -101,7 +102,7 @@ def _ours(path: Path) -> bool:
             head = file.read(512)
     except (OSError, UnicodeDecodeError):
         return False
-    return head.startswith(emit.HEADER) or '"written_by": "migrate port"' in head
+    return head.startswith(HEADER) or '"written_by": "migrate port"' in head
 
 
 def check_destinations(paths: Sequence[Path], force: bool) -> None:
@@ -225,11 +226,11 @@ def port(
         [t.stochastic for t in traces], mapped.renames, bound, fields_from, method,
     )  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    paths[0].write_text(f"{emit.HEADER} from {origin}: its NNX port.\n{tree.code}")
+    paths[0].write_text(f"{HEADER} from {origin}: its NNX port.\n{tree.code}")
     for name, path in others.items():
-        path.write_text(f"{emit.HEADER} from {name}, for {origin}.\n{tree.files[name]}")
+        path.write_text(f"{HEADER} from {name}, for {origin}.\n{tree.files[name]}")
     paths[1].write_text(mapped.to_json(origin, f"{paths[0].stem}.{cls.__name__}") + "\n")
-    test_header = f"{emit.HEADER} from {origin}: the gate of {paths[0].name}.\n"
+    test_header = f"{HEADER} from {origin}: the gate of {paths[0].name}.\n"
     paths[2].write_text(gate_file.render(gate_spec, test_header))
     emitted = time.perf_counter()
     gate = run_written_gate(paths[2]) if run_gate else None

@@ -16,6 +16,7 @@ import libcst as cst
 
 from migrate.port import emit
 from migrate.port import source as src
+from migrate.port.ported import HELPERS, Emitted, Stub
 from migrate.port.trace import Path, Trace
 
 
@@ -24,7 +25,7 @@ class ClassPort:
     """One class of the tree: its NNX code, or why it was not ported (its sites bridged)."""
 
     cls: type
-    emitted: emit.Emitted | None
+    emitted: Emitted | None
     refused: str | None
     instances: tuple[Path, ...]  # where the trace built it
 
@@ -47,7 +48,7 @@ class TreePort:
         return self.classes[-1]
 
     @property
-    def stubs(self) -> tuple[tuple[str, emit.Stub], ...]:
+    def stubs(self) -> tuple[tuple[str, Stub], ...]:
         return tuple(
             (c.cls.__name__, s) for c in self.classes if c.emitted for s in c.emitted.stubs
         )
@@ -172,7 +173,7 @@ def _files(done: list[ClassPort], ported: list[type]) -> dict[str, str]:
         needs = set().union(*(c.emitted.needs for c in here))
         head = imports(module, bodies, {c.cls.__name__ for c in here}, elsewhere, needs)
         helpers = sorted(set().union(*(c.emitted.helpers for c in here)))
-        bodies = [emit.HELPERS[h] + "\n" for h in helpers] + bodies
+        bodies = [HELPERS[h] + "\n" for h in helpers] + bodies
         files[module_name] = f"{head}\n\n\n" + "\n\n".join(bodies)
     return files
 
@@ -192,7 +193,7 @@ def imports(
     scope = vars(module)
     read: set[str] = set()
     for body in bodies:
-        read |= src.names_in(cst.parse_module(body)) - set(emit.HELPERS)
+        read |= src.names_in(cst.parse_module(body)) - set(HELPERS)
     imported = []
     named = {name: module_name for module_name, name in needs or ()}
     froms: dict[str, list[str]] = {}

@@ -1,0 +1,259 @@
+"""The NNX methods written from the Linen ones (libcst: comments and formatting of untouched
+lines kept): what each edit changes (a compact site read as `self.ATTR`, a call replaced or
+marked, parameters read as values, ported classes by their ports' names, lists of submodules
+as `nnx.List`), and the locals of a compact `__call__` that `__init__` can evaluate."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import libcst as cst
+from flax import nnx
+
+from migrate.port.source import ClassSource, is_compact, names_in, resolve
+
+
+@dataclasses.dataclass(frozen=True)
+class Local:
+    """A local name assigned once in a function: its statement, value and how often it is read."""
+
+    statement: cst.SimpleStatementLine
+    value: cst.BaseExpression
+    reads: int
+
+
+def locals_of(function: cst.FunctionDef) -> dict[str, Local]:
+    """The names `function` assigns exactly once (`name = value`), with their reads."""
+    assigned: dict[str, list[tuple[cst.SimpleStatementLine, cst.BaseExpression]]] = {}
+    reads: dict[str, int] = {}
+
+    class Visitor(cst.CSTVisitor):
+        def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> None:
+            for small in node.body:
+                if isinstance(small, cst.Assign):
+                    for target in small.targets:
+                        for name in names_in(target.target):
+                            assigned.setdefault(name, []).append((node, small.value))
+
+        def visit_Assign(self, node: cst.Assign) -> bool:
+            node.value.visit(self)
+            return False
+
+        def visit_Name(self, node: cst.Name) -> None:
+            reads[node.value] = reads.get(node.value, 0) + 1
+
+    function.body.visit(Visitor())
+    single = {}
+    for name, found in assigned.items():
+        statement, value = found[0]
+        simple = len(statement.body) == 1 and len(statement.body[0].targets) == 1
+        if len(found) == 1 and simple and isinstance(statement.body[0].targets[0].target, cst.Name):
+            single[name] = Local(statement, value, reads.get(name, 0))
+    return single
+
+
+def substitute(node: cst.BaseExpression, values: Mapping[str, cst.BaseExpression]) -> Any:
+    """`node` with each local name read in it replaced by its value (`cfg.dtype` ->
+    `self.config.dtype` where `cfg = self.config`); attributes' and keywords' own names kept."""
+    kept: set[int] = set()
+
+    class Names(cst.CSTVisitor):
+        def visit_Attribute(self, node: cst.Attribute) -> None:
+            kept.add(id(node.attr))
+
+        def visit_Arg(self, node: cst.Arg) -> None:
+            if node.keyword is not None:
+                kept.add(id(node.keyword))
+
+    class Substitute(cst.CSTTransformer):
+        def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> Any:
+            value = values.get(original_node.value)
+            if value is None or id(original_node) in kept:
+                return updated_node
+            simple = isinstance(value, cst.Name | cst.Attribute | cst.Subscript | cst.Call)
+            return (
+                value
+                if simple
+                else value.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+            )
+
+    node.visit(Names())
+    return node.visit(Substitute())
+
+
+@dataclasses.dataclass(frozen=True)
+class CallEdit:
+    """How one site reads in the NNX `__call__`: `self.ATTR`, and keyword arguments added to
+    the call that calls it (those NNX takes at call time)."""
+
+    attribute: str
+    call_kwargs: tuple[tuple[str, cst.BaseExpression], ...] = ()
+    call_renamed: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    expression: str | None = None  # instead of `self.ATTR`: `getattr(self, f"layers_{i}")`
+
+
+@dataclasses.dataclass(frozen=True)
+class SelfEdit:
+    """A `self.` call rewritten (`self.param(...)` -> `self.scale[...]`) or marked."""
+
+    replacement: cst.BaseExpression | None
+    comment: str | None = None
+
+
+@dataclasses.dataclass
+class Edits:
+    """Everything a method's rewrite changes, by node identity where it is one node."""
+
+    sites: Mapping[int, CallEdit] = dataclasses.field(default_factory=dict)  # compact sites
+    calls: Mapping[int, SelfEdit] = dataclasses.field(default_factory=dict)  # calls replaced
+    param_reads: frozenset[str] = frozenset()  # `self.NAME` read as `self.NAME[...]`
+    dropped: frozenset[int] = frozenset()  # statements left out
+    listed: frozenset[int] = frozenset()  # lists of submodules, wrapped in `nnx.List`
+    ported: Mapping[type, str] = dataclasses.field(default_factory=dict)  # class -> its port
+    class_locals: frozenset[str] = frozenset()  # locals holding a (ported) class
+    remat: list[int] = dataclasses.field(default_factory=list)  # `nn.remat(CLASS)` rewritten
+
+
+REMAT = {nn.remat, nn.checkpoint}
+
+
+class _Rewriter(cst.CSTTransformer):
+    def __init__(self, scope: Mapping[str, Any], edits: Edits) -> None:
+        self.scope, self.edits = scope, edits
+        self.marks: list[str] = []
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+        edits = self.edits
+        if id(original_node) in edits.calls:
+            edit = edits.calls[id(original_node)]
+            if edit.comment:
+                self.marks.append(edit.comment)
+            return edit.replacement or updated_node
+        if id(original_node) in edits.sites:
+            edit = edits.sites[id(original_node)]
+            if edit.expression is not None:
+                return cst.parse_expression(edit.expression)
+            return _self_attribute(edit.attribute)
+        if isinstance(original_node.func, cst.Call) and id(original_node.func) in edits.sites:
+            edit = edits.sites[id(original_node.func)]
+            args = [
+                a.with_changes(keyword=cst.Name(edit.call_renamed[a.keyword.value]))
+                if a.keyword and a.keyword.value in edit.call_renamed
+                else a
+                for a in updated_node.args
+            ]
+            given = {a.keyword.value for a in args if a.keyword}
+            for name, value in edit.call_kwargs:
+                if name not in given:
+                    args.append(cst.Arg(value, keyword=cst.Name(name), equal=_NO_SPACE))
+            return updated_node.with_changes(args=commas(args))
+        if resolve(original_node.func, self.scope) in REMAT and self._class(original_node):
+            edits.remat.append(id(original_node))  # the port file defines `remat_class`
+            return updated_node.with_changes(func=cst.Name("remat_class"))
+        return updated_node
+
+    def _class(self, call: cst.Call) -> bool:
+        """`nn.remat(X, ...)` of a class: X a ported class or a local holding one."""
+        first = call.args[0].value if call.args and not call.args[0].keyword else None
+        if isinstance(first, cst.Name) and first.value in self.edits.class_locals:
+            return True
+        return first is not None and resolve(first, self.scope) in self.edits.ported
+
+    def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> cst.BaseExpression:
+        return self._ported(original_node, updated_node)
+
+    def leave_List(self, original_node: cst.List, updated_node: cst.List) -> cst.BaseExpression:
+        return self._listed(original_node, updated_node)
+
+    def leave_ListComp(
+        self, original_node: cst.ListComp, updated_node: cst.ListComp
+    ) -> cst.BaseExpression:
+        return self._listed(original_node, updated_node)
+
+    def _listed(self, original_node: cst.CSTNode, updated_node: Any) -> cst.BaseExpression:
+        if id(original_node) not in self.edits.listed:
+            return updated_node
+        return cst.Call(cst.parse_expression("nnx.List"), [cst.Arg(updated_node)])
+
+    def _ported(self, original_node: cst.CSTNode, updated_node: Any) -> cst.BaseExpression:
+        """A reference to a ported class (`modules.Block`) as the port's own name."""
+        found = resolve(original_node, self.scope)
+        if isinstance(found, type) and found in self.edits.ported:
+            return cst.Name(self.edits.ported[found])
+        return updated_node
+
+    def leave_Attribute(
+        self, original_node: cst.Attribute, updated_node: cst.Attribute
+    ) -> cst.BaseExpression:
+        """`nn.relu` -> `nnx.relu` where NNX exports the same function; a parameter made in
+        `setup` read as its value, `self.kernel` -> `self.kernel[...]`; a ported class by
+        its port's name."""
+        marked = self.edits.calls.get(id(original_node))
+        if marked is not None and marked.comment:
+            self.marks.append(marked.comment)
+        if (
+            isinstance(original_node.value, cst.Name)
+            and original_node.value.value == "self"
+            and original_node.attr.value in self.edits.param_reads
+        ):
+            return cst.Subscript(updated_node, [cst.SubscriptElement(cst.Index(cst.Ellipsis()))])
+        ported = self._ported(original_node, updated_node)
+        if ported is not updated_node:
+            return ported
+        if resolve(original_node.value, self.scope) is not nn:
+            return updated_node
+        value = getattr(nn, original_node.attr.value, None)
+        same = getattr(nnx, original_node.attr.value, None)
+        if value is not None and same is value and not isinstance(value, type):
+            return updated_node.with_changes(value=cst.Name("nnx"))
+        return updated_node
+
+    def leave_SimpleStatementLine(
+        self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
+    ) -> cst.SimpleStatementLine | cst.RemovalSentinel:
+        if id(original_node) in self.edits.dropped:
+            return cst.RemoveFromParent()
+        if not self.marks:
+            return updated_node
+        comments = [cst.EmptyLine(comment=cst.Comment(f"# {m}")) for m in self.marks]
+        self.marks = []
+        return updated_node.with_changes(leading_lines=[*updated_node.leading_lines, *comments])
+
+
+_NO_SPACE = cst.AssignEqual(
+    whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")
+)
+
+
+def commas(args: list[cst.Arg]) -> list[cst.Arg]:
+    """The arguments with a comma after each but the last."""
+    out = []
+    for i, arg in enumerate(args):
+        last = i == len(args) - 1
+        if last:
+            out.append(arg.with_changes(comma=cst.MaybeSentinel.DEFAULT))
+        elif arg.comma is cst.MaybeSentinel.DEFAULT:
+            out.append(
+                arg.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+            )
+        else:
+            out.append(arg)
+    return out
+
+
+def _self_attribute(name: str) -> cst.Attribute:
+    return cst.Attribute(value=cst.Name("self"), attr=cst.Name(name))
+
+
+def rewrite(source: ClassSource, function: cst.FunctionDef, edits: Edits) -> cst.FunctionDef:
+    """A method of the NNX module: `@nn.compact` dropped, each compact site `self.ATTR`, the
+    edited calls (`self.param`, constructors in `setup`) replaced or marked, the parameters
+    made in `setup` read as values, ported classes by their ports' names, `nn.remat` of a
+    class as `remat_class`, lists of submodules as `nnx.List`, `nn.FUNCTION` ->
+    `nnx.FUNCTION`, the dropped statements left out; the rest as written."""
+    written = function.visit(_Rewriter(vars(source.module), edits))
+    kept = [d for d in written.decorators if not is_compact(d)]
+    return written.with_changes(decorators=kept)
