@@ -263,6 +263,31 @@ class Codec(nn.Module):
         return self.counter(rows)
 """
 
+STATEFUL = """
+import flax.linen as nn
+import jax.numpy as jnp
+
+
+class Tracker(nn.Module):
+    features: int = 3
+
+    @nn.compact
+    def __call__(self, x):
+        ema = self.variable("stats", "ema", jnp.zeros, (self.features,))
+        ema.value = 0.9 * ema.value + 0.1 * x.mean(0)
+        return nn.Dense(self.features)(x) + ema.value
+
+
+class Counted(nn.Module):
+    def setup(self):
+        self.count = self.variable("batch_stats", "count", jnp.zeros, ())
+        self.tracker = Tracker()
+
+    def __call__(self, x):
+        self.count.value = self.count.value + 1.0
+        return self.tracker(x) * self.count.value
+"""
+
 
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):
@@ -483,6 +508,26 @@ def test_linen_only_code_leaves_its_class_bridged_and_another_method_is_gated(
     assert "method='encode'" in gate
     with pytest.raises(errors.BadInput, match="Codec has no method 'decode'"):
         command.port(module.Codec, "int32[2,3]", tmp_path / "x", method="decode")
+
+
+def test_variables_of_linen_collections_become_nnx_variables_compared_after_each_call(
+    user_module, tmp_path
+):
+    """`self.variable("batch_stats", ...)` -> `nnx.BatchStat`, another collection -> a
+    `Variable` subclass the port file defines (and the gate maps); `.value` -> `[...]`."""
+    module = user_module("port_counted", STATEFUL)
+    result = command.port(module.Counted, "float32[2,3]", tmp_path, call_kwargs=[{}, {}])
+    assert result.status == 0, result.gate.report
+    code = result.nnx_path.read_text()
+    assert "class Stats(nnx.Variable):" in code
+    assert "self.ema = Stats(jnp.zeros((self.features,)))" in code
+    assert "ema[...] = 0.9 * ema[...] + 0.1 * x.mean(0)" in code
+    assert "self.count = nnx.BatchStat(jnp.zeros(()))" in code
+    assert "self.count[...] = self.count[...] + 1.0" in code
+    assert "return {'stats': Stats}" in result.test_path.read_text()
+    assert "batch_stats/count" in {
+        e["linen"] for e in json.loads(result.weight_map_path.read_text())["entries"]
+    }
 
 
 def test_classes_from_another_file_of_the_package_are_ported_into_their_own_file(

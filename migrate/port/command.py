@@ -224,6 +224,7 @@ def port(
     gate_spec = gate_file.GateSpec(
         cls.__module__, cls.__name__, paths[0].stem, fields, specs, calls,
         [t.stochastic for t in traces], mapped.renames, bound, fields_from, method,
+        tree.collections,
     )  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     paths[0].write_text(f"{HEADER} from {origin}: its NNX port.\n{tree.code}")

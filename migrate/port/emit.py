@@ -78,7 +78,12 @@ def emit(
     remat: list[int] = []
 
     def edits(**changes: Any) -> rw.Edits:
-        common = dict(calls=planner.self_edits, ported=ported_names, class_locals=held)
+        common = dict(
+            calls=planner.self_edits,
+            ported=ported_names,
+            class_locals=held,
+            variable_reads=frozenset(planner.variable_reads),
+        )
         return rw.Edits(**{**common, **changes}, remat=remat)
 
     setup = None
@@ -123,7 +128,8 @@ def emit(
     code = cst.Module(body=[class_def]).code
     needs = frozenset(planner.needs)
     helpers = frozenset({"remat_class"} if remat else ())
-    return Emitted(code, tuple(planner.placed), tuple(planner.stubs), needs, helpers)
+    variables = dict(planner.variable_types)
+    return Emitted(code, tuple(planner.placed), tuple(planner.stubs), needs, helpers, variables)
 
 
 def _blank(before: list[cst.CSTNode]) -> list[cst.EmptyLine]:

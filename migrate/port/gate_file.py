@@ -30,6 +30,7 @@ class GateSpec:
     int_bound: int = INT_BOUND
     fields_from: str | None = None  # `MODULE:FUNCTION` returning the fields (not literals)
     method: str | None = None  # the method called (None: `__call__`)
+    collections: Mapping[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
 
 
 def _input(i: int, spec: ArraySpec, bound: int) -> str:
@@ -51,6 +52,11 @@ def render(spec: GateSpec, header: str) -> str:
     else:
         module, function = spec.fields_from.split(":")
         fields = f"from {module} import {function} as fields\n\nFIELDS = fields()"
+    imported = "".join(
+        f"    from {stem} import {kind}\n" for stem, kind in spec.collections.values()
+    )
+    mapping = ", ".join(f"{c!r}: {kind}" for c, (_, kind) in spec.collections.items())
+    collections = f"{imported}    return {{{mapping}}}"
     arrays = ", ".join(_input(i, s, spec.int_bound) for i, s in enumerate(spec.inputs))
     calls = []
     for i, (kwargs, stochastic) in enumerate(zip(spec.calls, spec.stochastic, strict=True)):
@@ -89,7 +95,14 @@ def calls() -> list[Call]:
 
 def results(built=None):
     built = port() if built is None else built
-    return compare_modules(Linen{name}(**FIELDS), built, calls(), renames=RENAMES)
+    return compare_modules(
+        Linen{name}(**FIELDS), built, calls(), renames=RENAMES, collections=collections()
+    )
+
+
+def collections() -> dict:
+    """The port's Variable type of each Linen collection NNX has no type of its own for."""
+{collections}
 
 
 def gate() -> tuple[int, str]:

@@ -16,7 +16,7 @@ import libcst as cst
 
 from migrate.port import emit
 from migrate.port import source as src
-from migrate.port.ported import HELPERS, Emitted, Stub
+from migrate.port.ported import HELPERS, Emitted, Stub, variable_class
 from migrate.port.trace import Path, Trace
 
 
@@ -37,6 +37,7 @@ class TreePort:
 
     files: Mapping[str, str]  # Linen module name -> the NNX file's code
     classes: tuple[ClassPort, ...]  # bottom-up: a class after the classes it builds
+    collections: Mapping[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
 
     @property
     def code(self) -> str:
@@ -148,12 +149,17 @@ def port_tree(root: type, trace: Trace, names: str) -> TreePort:
         ported.append(cls)
         classes[cls] = ClassPort(cls, emitted, None, instances)
     done = [classes[c] for c in order if c in classes]
-    return TreePort(_files(done, ported), tuple(done))
+    files, collections = _files(done, ported)
+    return TreePort(files, tuple(done), collections)
 
 
-def _files(done: list[ClassPort], ported: list[type]) -> dict[str, str]:
+def _files(
+    done: list[ClassPort], ported: list[type]
+) -> tuple[dict[str, str], dict[str, tuple[str, str]]]:
     """One NNX file per Linen module: its ported classes in source order, under the imports
-    they read (the ports of other modules' classes from those modules' NNX files)."""
+    they read (the ports of other modules' classes from those modules' NNX files); and each
+    Linen collection's `nnx.Variable` subclass, defined by the first file (bottom-up) whose
+    classes hold one, `(file, class)`."""
     names = [c.__name__ for c in ported]
     clash = sorted({n for n in names if names.count(n) > 1})
     if clash:
@@ -161,7 +167,8 @@ def _files(done: list[ClassPort], ported: list[type]) -> dict[str, str]:
     stems = {c.__module__: nnx_stem(c.__module__) for c in ported}
     if len(set(stems.values())) != len(stems):
         raise src.PortError(f"two ported modules share a file name: {sorted(stems)}")
-    files = {}
+    files: dict[str, str] = {}
+    collections: dict[str, tuple[str, str]] = {}
     for module_name in dict.fromkeys(c.cls.__module__ for c in done if c.emitted is not None):
         here = sorted(
             (c for c in done if c.emitted is not None and c.cls.__module__ == module_name),
@@ -169,13 +176,23 @@ def _files(done: list[ClassPort], ported: list[type]) -> dict[str, str]:
         )
         bodies = [c.emitted.code for c in here]
         elsewhere = {c.__name__: stems[c.__module__] for c in ported if c.__module__ != module_name}
+        elsewhere |= {kind: stem for stem, kind in collections.values()}
+        defined = []
+        for c in here:
+            for collection, kind in c.emitted.variable_types.items():
+                if collection not in collections:
+                    collections[collection] = (nnx_stem(module_name), kind)
+                    defined.append(variable_class(kind, collection))
         module = inspect.getmodule(here[0].cls)
         needs = set().union(*(c.emitted.needs for c in here))
-        head = imports(module, bodies, {c.cls.__name__ for c in here}, elsewhere, needs)
+        own = {c.cls.__name__ for c in here} | {
+            kind for stem, kind in collections.values() if stem == nnx_stem(module_name)
+        }
+        head = imports(module, bodies, own, elsewhere, needs)
         helpers = sorted(set().union(*(c.emitted.helpers for c in here)))
-        bodies = [HELPERS[h] + "\n" for h in helpers] + bodies
+        bodies = [HELPERS[h] + "\n" for h in helpers] + defined + bodies
         files[module_name] = f"{head}\n\n\n" + "\n\n".join(bodies)
-    return files
+    return files, collections
 
 
 def imports(

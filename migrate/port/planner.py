@@ -22,6 +22,8 @@ from migrate.port.ported import STUB, Placed, Stub, code_of, snake
 from migrate.port.trace import Trace
 
 PARTITIONING = {nn.with_logical_partitioning, nn.with_partitioning}  # -> `out_sharding=`
+# Linen collections NNX has a Variable type for; another one gets a subclass in the port file.
+VARIABLE_TYPES = {"batch_stats": "nnx.BatchStat", "cache": "nnx.Cache", "params": "nnx.Param"}
 
 
 class Planner(Constructors):
@@ -49,6 +51,8 @@ class Planner(Constructors):
         self.placed: list[Placed] = []
         self.stubs: list[Stub] = []
         self.needs: set[tuple[str, str]] = set()
+        self.variable_types: dict[str, str] = {}  # a Linen collection -> its Variable class
+        self.variable_reads: set[str] = set()  # `self.ema`, `ema`: a Variable's `.value` read
 
     def literal(self, value: Any) -> str | None:
         """`literal(value)`, the classes it names imported by the port."""
@@ -226,6 +230,8 @@ class Planner(Constructors):
         for call in self.source.self_calls:
             if call.method == "param":
                 self.param(call)
+            elif call.method == "variable":
+                self.variable(call)
             elif call.method == "sow":
                 self.sow(call)
             elif call.lifted:
@@ -235,7 +241,9 @@ class Planner(Constructors):
                 note = "Linen-only API, left as written: port it by hand"
                 self.mark(call, f"self.{call.method}", note, linen_code=True)
 
-    def mark(self, call: src.SelfCall, idiom: str, note: str, linen_code: bool = False) -> None:
+    def mark(
+        self, call: src.SelfCall, idiom: str, note: str, linen_code: bool = False
+    ) -> None:
         comment = f"{STUB} (Linen line {call.line}): {idiom}: {note}"
         self.self_edits[id(call.node)] = rw.SelfEdit(None, comment)
         self.stubs.append(Stub(call.line, idiom, note, linen_code))
@@ -275,6 +283,42 @@ class Planner(Constructors):
             read = cst.parse_expression(f"self.{attr}[...]")
             self.self_edits[id(call.node)] = rw.SelfEdit(read)
         self.placed.append(Placed(linen_name, attr, "self.param -> nnx.Param"))
+
+    def variable(self, call: src.SelfCall) -> None:
+        """`self.variable("stats", "ema", init, *args)` -> `STATS(init(*args))`, held where
+        Linen held it (`setup`: its attribute; compact: under its name); `.value` read and
+        written as `[...]`. `batch_stats` and `cache` are NNX's own types, another collection
+        a `Variable` subclass the port file defines."""
+        args = call.node.args
+        names = [a.value for a in args[:2]]
+        plain = len(args) >= 3 and not any(a.keyword or a.star for a in args)
+        if not plain or not all(isinstance(n, cst.SimpleString) for n in names):
+            why = "a computed collection, name or keyword"
+            return self.mark(call, "self.variable", why, linen_code=True)
+        collection, name = (n.evaluated_value for n in names)
+        texts = [self.text(a.value) for a in args[2:]]
+        if None in texts:
+            why = "its initializer reads values of __call__"
+            return self.mark(call, "self.variable", why, linen_code=True)
+        setup = self.source.style == "setup"
+        attr = call.assigned if setup else name
+        if attr is None:
+            why = "not assigned to self.NAME in setup"
+            return self.mark(call, "self.variable", why, linen_code=True)
+        kind = VARIABLE_TYPES.get(collection)
+        if kind is None:
+            kind = "".join(part.title() for part in collection.split("_")) or "State"
+            self.variable_types[collection] = kind
+        value = f"{kind}({texts[0]}({', '.join(texts[1:])}))"
+        if setup:
+            self.self_edits[id(call.node)] = rw.SelfEdit(cst.parse_expression(value))
+        else:
+            self.init_lines.append(f"self.{attr} = {value}")
+            self.self_edits[id(call.node)] = rw.SelfEdit(cst.parse_expression(f"self.{attr}"))
+            if call.local is not None:
+                self.variable_reads.add(call.local)
+        self.variable_reads.add(f"self.{attr}")
+        self.placed.append(Placed(name, attr, f"self.variable -> {kind}"))
 
     def sow(self, call: src.SelfCall) -> None:
         args = call.node.args

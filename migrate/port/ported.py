@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 
 import libcst as cst
 
@@ -51,6 +52,7 @@ class Emitted:
     stubs: tuple[Stub, ...]
     needs: frozenset[tuple[str, str]] = frozenset()  # (module, name) its traced values name
     helpers: frozenset[str] = frozenset()  # functions of `HELPERS` the class calls
+    variable_types: Mapping[str, str] = dataclasses.field(default_factory=dict)  # collection
 
 
 def snake(name: str) -> str:
@@ -60,3 +62,8 @@ def snake(name: str) -> str:
 
 def code_of(node: cst.CSTNode) -> str:
     return cst.Module(body=[]).code_for_node(node)
+
+
+def variable_class(name: str, collection: str) -> str:
+    """The `nnx.Variable` subclass a port file defines for a Linen collection."""
+    return f'class {name}(nnx.Variable):\n    """The Linen collection `{collection}`."""\n'

@@ -13,6 +13,7 @@ import flax.linen as nn
 import libcst as cst
 from flax import nnx
 
+from migrate.port.ported import code_of
 from migrate.port.source import ClassSource, is_compact, names_in, resolve
 
 
@@ -115,6 +116,7 @@ class Edits:
     ported: Mapping[type, str] = dataclasses.field(default_factory=dict)  # class -> its port
     class_locals: frozenset[str] = frozenset()  # locals holding a (ported) class
     remat: list[int] = dataclasses.field(default_factory=list)  # `nn.remat(CLASS)` rewritten
+    variable_reads: frozenset[str] = frozenset()  # `self.count`, `ema`: `.value` -> `[...]`
 
 
 REMAT = {nn.remat, nn.checkpoint}
@@ -194,6 +196,14 @@ class _Rewriter(cst.CSTTransformer):
         marked = self.edits.calls.get(id(original_node))
         if marked is not None and marked.comment:
             self.marks.append(marked.comment)
+        if (
+            original_node.attr.value == "value"
+            and self.edits.variable_reads
+            and code_of(original_node.value) in self.edits.variable_reads
+        ):  # a Linen variable's `.value`: NNX reads and writes `[...]`
+            return cst.Subscript(
+                updated_node.value, [cst.SubscriptElement(cst.Index(cst.Ellipsis()))]
+            )
         if (
             isinstance(original_node.value, cst.Name)
             and original_node.value.value == "self"

@@ -21,7 +21,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from migrate.errors import BadInput
 
-LINEN_ONLY = ("variable", "make_rng", "is_initializing", "is_mutable_collection", "put_variable")
+LINEN_ONLY = ("make_rng", "is_initializing", "is_mutable_collection", "put_variable")
 # Attributes of a bound Linen module that an NNX module has not: `self.variables` and the rest.
 LINEN_ATTRIBUTES = ("variables", "scope", "is_initializing", "has_rng", "has_variable")
 LOOPS = (cst.For, cst.While, cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp)
@@ -58,6 +58,7 @@ class SelfCall:
     method: str
     assigned: str | None = None  # in `setup`: `self.NAME = self.param(...)`
     lifted: bool = False  # `method`: a function of the user's applying a lifted transform
+    local: str | None = None  # in a compact `__call__`: `NAME = self.variable(...)`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +243,7 @@ class _Finder(cst.CSTVisitor):
         self.loops: list[cst.CSTNode] = []
         self.calling: dict[int, cst.Call] = {}
         self.assigned: str | None = None
+        self.local: str | None = None
         self.container: int | None = None
         self.class_locals: Mapping[str, type] = {}
         self.sites_too = True
@@ -260,6 +262,7 @@ class _Finder(cst.CSTVisitor):
 
     def visit_Assign(self, node: cst.Assign) -> None:
         target = node.targets[0].target if len(node.targets) == 1 else None
+        self.local = target.value if isinstance(target, cst.Name) else None
         if (
             isinstance(target, cst.Attribute)
             and isinstance(target.value, cst.Name)
@@ -270,7 +273,7 @@ class _Finder(cst.CSTVisitor):
                 self.container = id(node.value)
 
     def leave_Assign(self, original_node: cst.Assign) -> None:
-        self.assigned = self.container = None
+        self.assigned = self.container = self.local = None
 
     def _line(self, node: cst.CSTNode) -> int:
         return self.positions[node].start.line + self.offset
@@ -296,7 +299,9 @@ class _Finder(cst.CSTVisitor):
             and func.value.value == "self"
         ):
             method = func.attr.value
-            self.self_calls.append(SelfCall(node, self._line(node), method, self.assigned))
+            self.self_calls.append(
+                SelfCall(node, self._line(node), method, self.assigned, local=self.local)
+            )
             return
         target = resolve(func, self.scope)
         if isinstance(target, types.FunctionType) and any(
