@@ -241,9 +241,7 @@ class Planner(Constructors):
                 note = "Linen-only API, left as written: port it by hand"
                 self.mark(call, f"self.{call.method}", note, linen_code=True)
 
-    def mark(
-        self, call: src.SelfCall, idiom: str, note: str, linen_code: bool = False
-    ) -> None:
+    def mark(self, call: src.SelfCall, idiom: str, note: str, linen_code: bool = False) -> None:
         comment = f"{STUB} (Linen line {call.line}): {idiom}: {note}"
         self.self_edits[id(call.node)] = rw.SelfEdit(None, comment)
         self.stubs.append(Stub(call.line, idiom, note, linen_code))
