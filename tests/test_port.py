@@ -608,6 +608,22 @@ def test_the_twins_decoder_layer_ports_to_a_passing_gate_with_no_stub(
     test_file.test_port()
 
 
+def test_the_command_ports_with_fields_from_and_snake_names_nest_their_renames(
+    user_module, tmp_path, capsys
+):
+    """`migrate port ... --fields_from=...` exits 0 with its summary; `--names=snake` renames
+    the auto-named layers inside a ported class too, at their full paths."""
+    args = ("port", "migrate.linen.layers:RMSNorm", "--inputs=float32[2,16,64]", "--out=norm")
+    fields = "--fields_from=migrate.port.corpus:llama2_tiny_config"
+    assert migrate(*args, fields) == cli.EXIT_PASS
+    assert "RMSNorm (Linen) vs RMSNorm (NNX port): PASS" in capsys.readouterr().out
+    module = user_module("port_nested", BRIDGED)
+    result = command.port(module.Block, "float32[3,4]", tmp_path / "snake", names="snake")
+    assert result.status == 0, result.gate.report
+    assert result.renames[("gate", "Dense_0")] == ("gate", "dense_0")
+    assert result.renames[("Gate_0",)] == ("gate_0",)
+
+
 def test_bad_input_exits_2_in_one_line(user_module, tmp_path, capsys):
     module = user_module("port_ok", MLP)
     (tmp_path / "port_ok_nnx.py").write_text("# my own file\n")
