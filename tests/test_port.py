@@ -288,6 +288,50 @@ class Counted(nn.Module):
         return self.tracker(x) * self.count.value
 """
 
+SCANNED = """
+import flax.linen as nn
+import jax.numpy as jnp
+
+
+class Block(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, carry, x):
+        init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+        kernel = self.param("kernel", init, (self.width, self.width))
+        h = carry @ kernel + nn.Dense(self.width)(x)
+        return jnp.tanh(h), h.sum(-1)
+
+
+class Head(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2)(x)
+
+
+class Layers(nn.Module):
+    width: int = 4
+    depth: int = 3
+
+    def setup(self):
+        scanned = nn.scan(
+            Block, variable_axes={"params": 0}, split_rngs={"params": True},
+            in_axes=nn.broadcast, length=self.depth,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        self.layers = scanned(self.width)
+        mapped = nn.vmap(
+            Head, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=0,
+            out_axes=0, axis_size=2,
+        )
+        self.heads = mapped()
+
+    def __call__(self, x):
+        carry, ys = self.layers(x, x)
+        return self.heads(jnp.stack([carry, 2 * carry])), ys
+"""
+
 
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):
@@ -530,6 +574,24 @@ def test_variables_of_linen_collections_become_nnx_variables_compared_after_each
     }
 
 
+def test_scanned_and_vmapped_classes_become_stacked_nnx_modules(user_module, tmp_path):
+    """`nn.scan(Block, ...)` and `nn.vmap(Head, ...)` of classes: the port file's
+    `scan_class` / `vmap_class` build the instances stacked under `nnx.vmap` (the stacked axis
+    named in the sharding metadata) and call them under `nnx.scan` / `nnx.vmap`."""
+    module = user_module("port_scanned", SCANNED)
+    result = command.port(module.Layers, "float32[2,4]", tmp_path)
+    assert result.status == 0, result.gate.report
+    code = result.nnx_path.read_text()
+    assert "def scan_class(cls, *, length," in code and "def vmap_class(cls, *, axis_size," in code
+    assert "scanned = scan_class(" in code and "mapped = vmap_class(" in code
+    assert "self.layers = scanned(self.width, rngs=rngs)" in code
+    kernel = next(
+        e for e in json.loads(result.weight_map_path.read_text())["entries"]
+        if e["linen"] == "params/layers/kernel"
+    )  # fmt: skip
+    assert kernel["shape"] == [3, 4, 4]
+
+
 def test_classes_from_another_file_of_the_package_are_ported_into_their_own_file(
     tmp_path, monkeypatch
 ):
@@ -568,6 +630,9 @@ def test_the_twins_decoder_ports_with_its_pipeline_bridged(tmp_path, monkeypatch
     assert pipelined.status == 0, pipelined.gate.report
     refused = {c.cls.__name__: c.refused for c in pipelined.classes if c.refused}
     assert refused["Pipeline"] == "line 153: self.is_initializing"
+    code = pipelined.nnx_path.read_text()
+    assert "# migrate port: STUB (Linen line 42): Pipeline(...)" in code
+    assert "self.pipeline = nnx.bridge.lazy_init(nnx.bridge.ToNNX(Pipeline(" in code
     assert [p.name for p in pipelined.other_files] == ["layers_nnx.py"]
     reference = command.port(
         decoder.Decoder, "int32[16,16]", tmp_path / "reference",

@@ -75,7 +75,7 @@ def emit(
         raise src.PortError(f"attribute names collide in the port: {', '.join(clash)}")
     ported_names = {cls: cls.__name__ for cls in ported}
     held = frozenset(n for n, c in source.class_locals.items() if c in ported_names)
-    remat: list[int] = []
+    helpers: set[str] = set()
 
     def edits(**changes: Any) -> rw.Edits:
         common = dict(
@@ -84,7 +84,7 @@ def emit(
             class_locals=held,
             variable_reads=frozenset(planner.variable_reads),
         )
-        return rw.Edits(**{**common, **changes}, remat=remat)
+        return rw.Edits(**{**common, **changes}, helpers=helpers)
 
     setup = None
     if source.setup is not None:
@@ -127,7 +127,7 @@ def emit(
     )
     code = cst.Module(body=[class_def]).code
     needs = frozenset(planner.needs)
-    helpers = frozenset({"remat_class"} if remat else ())
+    helpers = frozenset(helpers)
     variables = dict(planner.variable_types)
     return Emitted(code, tuple(planner.placed), tuple(planner.stubs), needs, helpers, variables)
 

@@ -16,7 +16,14 @@ import libcst as cst
 
 from migrate.port import emit
 from migrate.port import source as src
-from migrate.port.ported import HELPERS, Emitted, Stub, variable_class
+from migrate.port.ported import (
+    CLASS_TRANSFORMS,
+    DEFINED_BY,
+    HELPERS,
+    Emitted,
+    Stub,
+    variable_class,
+)
 from migrate.port.trace import Path, Trace
 
 
@@ -189,7 +196,8 @@ def _files(
             kind for stem, kind in collections.values() if stem == nnx_stem(module_name)
         }
         head = imports(module, bodies, own, elsewhere, needs)
-        helpers = sorted(set().union(*(c.emitted.helpers for c in here)))
+        called = set().union(*(c.emitted.helpers for c in here))
+        helpers = sorted({DEFINED_BY.get(h, h) for h in called})
         bodies = [HELPERS[h] + "\n" for h in helpers] + defined + bodies
         files[module_name] = f"{head}\n\n\n" + "\n\n".join(bodies)
     return files, collections
@@ -210,7 +218,7 @@ def imports(
     scope = vars(module)
     read: set[str] = set()
     for body in bodies:
-        read |= src.names_in(cst.parse_module(body)) - set(HELPERS)
+        read |= src.names_in(cst.parse_module(body)) - set(CLASS_TRANSFORMS.values())
     imported = []
     named = {name: module_name for module_name, name in needs or ()}
     froms: dict[str, list[str]] = {}

@@ -213,7 +213,12 @@ class Planner(Constructors):
                 self.self_edits[id(site.node)] = rw.SelfEdit(cst.Name("None"), comment)
                 form = "stub"
             else:
-                self.self_edits[id(site.node)] = rw.SelfEdit(cst.parse_expression(expression))
+                comment = None
+                if form.startswith("bridged"):  # the stub `bridge` just listed, marked here
+                    stub = self.stubs[-1]
+                    comment = f"{STUB} (Linen line {stub.line}): {stub.idiom}: {stub.note}"
+                replacement = cst.parse_expression(expression)
+                self.self_edits[id(site.node)] = rw.SelfEdit(replacement, comment)
             if site.in_loop:
                 placed = [
                     Placed(n, f"{site.assigned}/{i}", form) for i, n in enumerate(linen_names)

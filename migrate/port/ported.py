@@ -18,7 +18,88 @@ HELPERS = {
     """`nn.remat(cls, ...)` in NNX: `cls` with its `__call__` rematerialised by `nnx.remat`
     (`static_argnums` count `self` as 0, as Linen's do)."""
     return type(cls.__name__, (cls,), {"__call__": nnx.remat(cls.__call__, **options)})''',
+    "jit_class": '''def jit_class(cls, **options):
+    """`nn.jit(cls, ...)` in NNX: `cls` with its `__call__` compiled by `nnx.jit`."""
+    return type(cls.__name__, (cls,), {"__call__": nnx.jit(cls.__call__, **options)})''',
+    "stacked_class": '''def _stacked(cls, size, variable_axes, split_rngs, metadata_params):
+    """`cls` whose instances hold `size` instances' variables stacked on a leading axis: built
+    under `nnx.vmap`, each with its own keys, the axis named in the sharding metadata as
+    Linen's `metadata_params` names it."""
+    del split_rngs  # every stream is split: the weights are the Linen side's, moved over
+    import flax.linen as nn
+
+    if any(axis != 0 for axis in (variable_axes or {}).values()):
+        raise NotImplementedError(f"variable_axes={variable_axes}: only a leading axis is ported")
+    name = (metadata_params or {}).get(nn.PARTITION_NAME)
+    metadata = {nnx.PARTITION_NAME: name} if name is not None else {}
+
+    class Stacked(cls):
+        def __init__(self, *args, rngs, **kwargs):
+            @nnx.split_rngs(splits=size)  # every stream: each instance its own keys
+            @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=size, transform_metadata=metadata)
+            def build(rngs):
+                return cls(*args, rngs=rngs, **kwargs)
+
+            built = build(rngs)
+            cls.__init__(self, *args, rngs=rngs, **kwargs)
+            nnx.update(self, nnx.state(built))
+
+    Stacked.__name__ = Stacked.__qualname__ = cls.__name__
+    return Stacked, metadata
+
+
+def _axis(axis):
+    """Linen's `nn.broadcast` is NNX's `None`."""
+    return None if type(axis).__name__ == "_Broadcast" else axis
+
+
+def scan_class(cls, *, length, in_axes=0, out_axes=0, variable_axes=None, split_rngs=None,
+               metadata_params=None, **options):
+    """`nn.scan(cls, ...)` in NNX: `length` stacked instances (`_stacked`), called by
+    `nnx.scan` over them: `(carry, *xs) -> (carry, ys)`."""
+    stacked, metadata = _stacked(cls, length, variable_axes, split_rngs, metadata_params)
+    ins = tuple(map(_axis, in_axes if isinstance(in_axes, tuple) else (in_axes,)))
+
+    def __call__(self, carry, *xs):
+        @nnx.scan(in_axes=(0, nnx.Carry, *ins[: len(xs)]), out_axes=(nnx.Carry, _axis(out_axes)),
+                  length=length, transform_metadata=metadata, **options)
+        def step(module, carry, *xs):
+            return cls.__call__(module, carry, *xs)
+
+        return step(self, carry, *xs)
+
+    stacked.__call__ = __call__
+    return stacked
+
+
+def vmap_class(cls, *, axis_size, in_axes=0, out_axes=0, variable_axes=None, split_rngs=None,
+               metadata_params=None, **options):
+    """`nn.vmap(cls, ...)` in NNX: `axis_size` stacked instances (`_stacked`), each applied to
+    its slice of the inputs by `nnx.vmap`."""
+    stacked, metadata = _stacked(cls, axis_size, variable_axes, split_rngs, metadata_params)
+
+    def __call__(self, *xs):
+        ins = in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(xs)
+
+        @nnx.vmap(in_axes=(0, *map(_axis, ins)), out_axes=out_axes, transform_metadata=metadata,
+                  **options)
+        def apply(module, *xs):
+            return cls.__call__(module, *xs)
+
+        return apply(self, *xs)
+
+    stacked.__call__ = __call__
+    return stacked''',
 }
+# The helpers a rewritten Linen transform of a class calls, and the one defining them.
+CLASS_TRANSFORMS = {
+    "remat": "remat_class",
+    "checkpoint": "remat_class",
+    "jit": "jit_class",
+    "scan": "scan_class",
+    "vmap": "vmap_class",
+}
+DEFINED_BY = {"scan_class": "stacked_class", "vmap_class": "stacked_class"}
 
 
 @dataclasses.dataclass(frozen=True)

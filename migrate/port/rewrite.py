@@ -13,6 +13,7 @@ import flax.linen as nn
 import libcst as cst
 from flax import nnx
 
+from migrate.port import ported
 from migrate.port.ported import code_of
 from migrate.port.source import ClassSource, is_compact, names_in, resolve
 
@@ -115,11 +116,12 @@ class Edits:
     listed: frozenset[int] = frozenset()  # lists of submodules, wrapped in `nnx.List`
     ported: Mapping[type, str] = dataclasses.field(default_factory=dict)  # class -> its port
     class_locals: frozenset[str] = frozenset()  # locals holding a (ported) class
-    remat: list[int] = dataclasses.field(default_factory=list)  # `nn.remat(CLASS)` rewritten
+    helpers: set[str] = dataclasses.field(default_factory=set)  # `remat_class`, ... called
     variable_reads: frozenset[str] = frozenset()  # `self.count`, `ema`: `.value` -> `[...]`
 
 
-REMAT = {nn.remat, nn.checkpoint}
+# A Linen transform of a class -> the helper the port file defines (`ported.HELPERS`).
+CLASS_TRANSFORMS = {getattr(nn, name): helper for name, helper in ported.CLASS_TRANSFORMS.items()}
 
 
 class _Rewriter(cst.CSTTransformer):
@@ -152,13 +154,15 @@ class _Rewriter(cst.CSTTransformer):
                 if name not in given:
                     args.append(cst.Arg(value, keyword=cst.Name(name), equal=_NO_SPACE))
             return updated_node.with_changes(args=commas(args))
-        if resolve(original_node.func, self.scope) in REMAT and self._class(original_node):
-            edits.remat.append(id(original_node))  # the port file defines `remat_class`
-            return updated_node.with_changes(func=cst.Name("remat_class"))
+        helper = CLASS_TRANSFORMS.get(resolve(original_node.func, self.scope))
+        if helper is not None and self._class(original_node):
+            edits.helpers.add(helper)  # the port file defines it
+            return updated_node.with_changes(func=cst.Name(helper))
         return updated_node
 
     def _class(self, call: cst.Call) -> bool:
-        """`nn.remat(X, ...)` of a class: X a ported class or a local holding one."""
+        """`nn.remat(X, ...)` (or another transform) of a class: X a ported class or a local
+        holding one."""
         first = call.args[0].value if call.args and not call.args[0].keyword else None
         if isinstance(first, cst.Name) and first.value in self.edits.class_locals:
             return True
@@ -261,9 +265,10 @@ def _self_attribute(name: str) -> cst.Attribute:
 def rewrite(source: ClassSource, function: cst.FunctionDef, edits: Edits) -> cst.FunctionDef:
     """A method of the NNX module: `@nn.compact` dropped, each compact site `self.ATTR`, the
     edited calls (`self.param`, constructors in `setup`) replaced or marked, the parameters
-    made in `setup` read as values, ported classes by their ports' names, `nn.remat` of a
-    class as `remat_class`, lists of submodules as `nnx.List`, `nn.FUNCTION` ->
-    `nnx.FUNCTION`, the dropped statements left out; the rest as written."""
+    made in `setup` read as values, ported classes by their ports' names, `nn.remat`,
+    `nn.jit`, `nn.scan` and `nn.vmap` of a class as the port file's helpers, lists of
+    submodules as `nnx.List`, `nn.FUNCTION` -> `nnx.FUNCTION`, the dropped statements left
+    out; the rest as written."""
     written = function.visit(_Rewriter(vars(source.module), edits))
     kept = [d for d in written.decorators if not is_compact(d)]
     return written.with_changes(decorators=kept)
