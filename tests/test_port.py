@@ -332,6 +332,19 @@ class Layers(nn.Module):
         return self.heads(jnp.stack([carry, 2 * carry])), ys
 """
 
+NORMS = """
+import flax.linen as nn
+
+
+class Norms(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.GroupNorm(num_groups=2)(x)
+        x = nn.ConvTranspose(4, (3, 3), strides=(2, 2))(x)
+        x = nn.InstanceNorm()(x)
+        return nn.GroupNorm(num_groups=None, group_size=2, use_scale=False)(x)
+"""
+
 
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):
@@ -435,6 +448,17 @@ def test_a_users_own_class_is_ported_once_and_an_untranslated_layer_bridged(user
     assert "# migrate port: STUB (Linen line 19)" in code
     assert "nnx.bridge.ToNNX(nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=4)" in code
     assert "ported with it: Gate" in result.summary()
+
+
+def test_group_and_instance_norms_and_a_transposed_conv_port_bit_exact(user_module, tmp_path):
+    module = user_module("port_norms", NORMS)
+    result = command.port(module.Norms, "float32[2,6,6,4]", tmp_path)
+    assert result.status == 0, result.gate.report
+    code = result.nnx_path.read_text()
+    assert "nnx.GroupNorm(4, num_groups=2, rngs=rngs)" in code
+    assert "nnx.ConvTranspose(4, out_features=4, kernel_size=(3, 3), strides=(2, 2)," in code
+    assert "nnx.InstanceNorm(4, rngs=rngs)" in code
+    assert "nnx.GroupNorm(4, num_groups=None, group_size=2, use_scale=False," in code
 
 
 def test_a_setup_style_module_ports_with_its_own_classes_and_renamed_parameter(

@@ -79,9 +79,12 @@ LAYERS: dict[type, Layer] = {
         Layer(nn.Dense, nnx.Linear, _last, _OUT),
         Layer(nn.DenseGeneral, nnx.LinearGeneral, _general, _OUT, needs={"batch_dims": ()}),
         Layer(nn.Conv, nnx.Conv, _last, _OUT),
+        Layer(nn.ConvTranspose, nnx.ConvTranspose, _last, _OUT),
         Layer(nn.Embed, nnx.Embed, _none),
         Layer(nn.LayerNorm, nnx.LayerNorm, _last, feature_last=True),
         Layer(nn.RMSNorm, nnx.RMSNorm, _last, feature_last=True),
+        Layer(nn.InstanceNorm, nnx.InstanceNorm, _last, feature_last=True),
+        Layer(nn.GroupNorm, nnx.GroupNorm, _last, needs={"reduction_axes": None}),
         Layer(
             nn.BatchNorm,
             nnx.BatchNorm,
