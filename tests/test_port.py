@@ -451,6 +451,7 @@ def test_a_users_own_class_is_ported_once_and_an_untranslated_layer_bridged(user
 
 
 def test_group_and_instance_norms_and_a_transposed_conv_port_bit_exact(user_module, tmp_path):
+    """Their feature sizes from the trace, the group options carried as written."""
     module = user_module("port_norms", NORMS)
     result = command.port(module.Norms, "float32[2,6,6,4]", tmp_path)
     assert result.status == 0, result.gate.report
