@@ -5,7 +5,6 @@ argument as written where `__init__` can evaluate it, else its traced value."""
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import types
 from collections.abc import Callable, Collection, Mapping
@@ -17,12 +16,7 @@ from migrate.port import rewrite as rw
 from migrate.port import source as src
 from migrate.port.layers import LAYERS, Layer, literal
 from migrate.port.ported import STUB, Stub, code_of
-from migrate.port.trace import Child, Trace
-
-
-def fields_of(cls: type) -> list[str]:
-    """A Linen class's constructor fields, `parent` and `name` left out."""
-    return [f.name for f in dataclasses.fields(cls) if f.init and f.name not in ("parent", "name")]
+from migrate.port.trace import Child, Trace, fields_of
 
 
 def without_name(node: cst.Call) -> list[cst.Arg]:

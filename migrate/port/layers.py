@@ -14,6 +14,8 @@ import flax.linen as nn
 import numpy as np
 from flax import nnx
 
+from migrate.port.trace import fields_of
+
 Sizes = Callable[[Any, Mapping[str, Any]], list[Any]]  # (first input, attributes) -> sizes
 
 
@@ -58,7 +60,7 @@ class Layer:
 
     def carried(self) -> set[str]:
         """The Linen fields with an NNX constructor argument (under its NNX name)."""
-        linen = {f.name for f in dataclasses.fields(self.linen) if f.init} - {"parent", "name"}
+        linen = fields_of(self.linen)
         nnx_names = set(self.nnx_parameters())
         return {f for f in linen if self.renamed.get(f, f) in nnx_names}
 

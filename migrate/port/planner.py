@@ -133,9 +133,7 @@ class Planner(Constructors):
         """The names a submodule made in a `for` loop takes, one per iteration: its `name=`
         evaluated over the loop's iterable (which `__init__` must be able to evaluate)."""
         loop = site.loop
-        name = next(
-            (a.value for a in site.node.args if a.keyword and a.keyword.value == "name"), None
-        )
+        name = src.name_argument(site.node)
         if not isinstance(loop, cst.For) or name is None:
             raise src.PortError(
                 f"line {site.line}: a submodule made in a loop is ported only from a `for` loop "
@@ -154,7 +152,7 @@ class Planner(Constructors):
         """`for ...: setattr(self, NAME, CONSTRUCTOR)` in `__init__` (every iteration's
         constructor the same code), `getattr(self, NAME)` where `__call__` built it."""
         loop = site.loop
-        name = next(a.value for a in site.node.args if a.keyword and a.keyword.value == "name")
+        name = src.name_argument(site.node)
         forms = {self.constructor(site, self.trace.child(n)) for n in names}
         if len(forms) != 1:
             raise src.PortError(f"line {site.line}: its iterations need different constructors")

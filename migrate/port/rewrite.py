@@ -15,7 +15,7 @@ from flax import nnx
 
 from migrate.port import ported
 from migrate.port.ported import code_of
-from migrate.port.source import ClassSource, is_compact, names_in, resolve
+from migrate.port.source import ClassSource, is_compact, names_in, resolve, self_attribute
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,11 +208,7 @@ class _Rewriter(cst.CSTTransformer):
             return cst.Subscript(
                 updated_node.value, [cst.SubscriptElement(cst.Index(cst.Ellipsis()))]
             )
-        if (
-            isinstance(original_node.value, cst.Name)
-            and original_node.value.value == "self"
-            and original_node.attr.value in self.edits.param_reads
-        ):
+        if self_attribute(original_node) in self.edits.param_reads:
             return cst.Subscript(updated_node, [cst.SubscriptElement(cst.Index(cst.Ellipsis()))])
         ported = self._ported(original_node, updated_node)
         if ported is not updated_node:

@@ -141,6 +141,22 @@ def read(cls: type) -> ClassSource:
     )  # fmt: skip
 
 
+def self_attribute(node: cst.CSTNode) -> str | None:
+    """`NAME` where `node` is `self.NAME`, else None."""
+    if (
+        isinstance(node, cst.Attribute)
+        and isinstance(node.value, cst.Name)
+        and node.value.value == "self"
+    ):
+        return node.attr.value
+    return None
+
+
+def name_argument(call: cst.Call) -> cst.BaseExpression | None:
+    """The expression a call passes as `name=` (a Linen submodule's name), if any."""
+    return next((a.value for a in call.args if a.keyword and a.keyword.value == "name"), None)
+
+
 def is_compact(decorator: cst.Decorator) -> bool:
     node = decorator.decorator
     return (isinstance(node, cst.Attribute) and node.attr.value == "compact") or (
@@ -252,25 +268,15 @@ class _Finder(cst.CSTVisitor):
         self.called: set[int] = set()  # `self.is_initializing` in `self.is_initializing()`
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
-        if (
-            isinstance(node.value, cst.Name)
-            and node.value.value == "self"
-            and node.attr.value in LINEN_ATTRIBUTES
-            and id(node) not in self.called
-        ):
+        if self_attribute(node) in LINEN_ATTRIBUTES and id(node) not in self.called:
             self.attributes.append(SelfCall(node, self._line(node), node.attr.value))
 
     def visit_Assign(self, node: cst.Assign) -> None:
         target = node.targets[0].target if len(node.targets) == 1 else None
         self.local = target.value if isinstance(target, cst.Name) else None
-        if (
-            isinstance(target, cst.Attribute)
-            and isinstance(target.value, cst.Name)
-            and target.value.value == "self"
-        ):
-            self.assigned = target.attr.value
-            if isinstance(node.value, cst.List | cst.ListComp):
-                self.container = id(node.value)
+        self.assigned = self_attribute(target) if target is not None else None
+        if self.assigned is not None and isinstance(node.value, cst.List | cst.ListComp):
+            self.container = id(node.value)
 
     def leave_Assign(self, original_node: cst.Assign) -> None:
         self.assigned = self.container = self.local = None
@@ -293,22 +299,15 @@ class _Finder(cst.CSTVisitor):
             self.calling[id(node.func)] = node
         func = node.func
         self.called.add(id(func))
-        if (
-            isinstance(func, cst.Attribute)
-            and isinstance(func.value, cst.Name)
-            and func.value.value == "self"
-        ):
-            method = func.attr.value
+        method = self_attribute(func)
+        if method is not None:
             self.self_calls.append(
                 SelfCall(node, self._line(node), method, self.assigned, local=self.local)
             )
             return
         target = resolve(func, self.scope)
         if isinstance(target, types.FunctionType) and any(
-            isinstance(a.value, cst.Attribute)
-            and isinstance(a.value.value, cst.Name)
-            and a.value.value.value == "self"
-            for a in node.args
+            self_attribute(a.value) is not None for a in node.args
         ):
             self.handed.append((node, target))
         if not self.sites_too:
@@ -317,7 +316,7 @@ class _Finder(cst.CSTVisitor):
         if via_local:
             target = self.class_locals[func.value]
         product = isinstance(func, cst.Call) and resolve(func.func, self.scope) in TRANSFORMS
-        name = next((a.value for a in node.args if a.keyword and a.keyword.value == "name"), None)
+        name = name_argument(node)
         explicit = name.evaluated_value if isinstance(name, cst.SimpleString) else None
         module_class = isinstance(target, type) and issubclass(target, nn.Module)
         factory = not (product or module_class) and explicit is not None

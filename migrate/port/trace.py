@@ -63,13 +63,14 @@ class Trace:
         return Trace(self.nodes, variables, self.stochastic, (*self.root, name))
 
 
+def fields_of(cls: type | nn.Module) -> list[str]:
+    """A Linen class's constructor fields, `parent` and `name` left out."""
+    return [f.name for f in dataclasses.fields(cls) if f.init and f.name not in ("parent", "name")]
+
+
 def attributes(module: nn.Module) -> dict[str, Any]:
-    """A Linen module's dataclass fields and values, `parent` and `name` left out."""
-    return {
-        f.name: getattr(module, f.name)
-        for f in dataclasses.fields(module)
-        if f.init and f.name not in ("parent", "name")
-    }
+    """A Linen module's field values, by `fields_of`."""
+    return {name: getattr(module, name) for name in fields_of(module)}
 
 
 def _abstract(value: Any) -> Any:
