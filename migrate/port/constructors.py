@@ -15,7 +15,7 @@ import libcst as cst
 from migrate.port import rewrite as rw
 from migrate.port import source as src
 from migrate.port.layers import LAYERS, Layer, literal
-from migrate.port.ported import STUB, Stub, code_of
+from migrate.port.ported import Stub, code_of
 from migrate.port.trace import Child, Trace, fields_of
 
 
@@ -42,7 +42,7 @@ class Constructors:
     evaluate: Callable[[str], Any]
 
     def constructor(self, site: src.Site, child: Child | None) -> tuple[str | None, str]:
-        """The NNX expression that builds `site` and its form (None and the stub's text where
+        """The NNX expression that builds `site` and its form (None and the stub's mark where
         it cannot be built)."""
         target = site.target
         if child is not None and "nnx_class" in child.attributes:
@@ -214,10 +214,11 @@ class Constructors:
                 moved.append((layer.renamed.get(field, field), arg.value))
         return tuple(moved), layer.call_renamed
 
-    def stub(self, site: src.Site, note: str) -> tuple[None, str]:
-        idiom = f"{code_of(site.node.func)}(...)"
+    def stub(self, site: src.Site, note: str, idiom: str | None = None) -> tuple[None, str]:
+        """No constructor for `site`: the stub listed, and its mark."""
+        idiom = idiom or f"{code_of(site.node.func)}(...)"
         self.stubs.append(Stub(site.line, idiom, f"{note}: port it by hand"))
-        return None, f"None  # {STUB} (Linen line {site.line}): {idiom}: {note}"
+        return None, self.stubs[-1].comment
 
     def bridge(
         self, site: src.Site, child: Child | None, why: str | None
@@ -238,13 +239,12 @@ class Constructors:
                 why_not = "never called, so its inputs are unknown"
             else:
                 why_not = "its constructor or inputs read values of __call__"
-            note = f"{why_not}: port it by hand"
-            self.stubs.append(Stub(site.line, idiom, note))
-            return None, f"None  # {STUB} (Linen line {site.line}): {idiom}: {note}"
-        note = "bridged through nnx.bridge.ToNNX; port it by hand"
-        self.stubs.append(Stub(site.line, idiom, note))
+            return self.stub(site, why_not, idiom)
+        self.stubs.append(
+            Stub(site.line, idiom, "bridged through nnx.bridge.ToNNX; port it by hand")
+        )
         if self.source.style == "compact":
-            self.init_lines.append(f"# {STUB} (Linen line {site.line}): {idiom}: {note}")
+            self.init_lines.append(f"# {self.stubs[-1].comment}")
         bridged = f"nnx.bridge.ToNNX({linen}, rngs=rngs)"
         expression = f"nnx.bridge.lazy_init({', '.join([bridged, *inputs, *kwargs])})"
         return expression, "bridged (nnx.bridge.ToNNX)"

@@ -18,7 +18,7 @@ from migrate.port import rewrite as rw
 from migrate.port import source as src
 from migrate.port.constructors import Constructors
 from migrate.port.layers import imports_for, literal
-from migrate.port.ported import STUB, Placed, Stub, code_of, snake
+from migrate.port.ported import Placed, Stub, code_of, snake
 from migrate.port.trace import Trace
 
 PARTITIONING = {nn.with_logical_partitioning, nn.with_partitioning}  # -> `out_sharding=`
@@ -122,7 +122,7 @@ class Planner(Constructors):
             attr = self.attribute(child.name)
             expression, form = self.constructor(site, child)
             if expression is None:
-                self.init_lines.append(f"self.{attr} = {form}")
+                self.init_lines.append(f"self.{attr} = None  # {form}")
                 form = "stub"
             else:
                 self.init_lines.append(f"self.{attr} = {expression}")
@@ -158,7 +158,7 @@ class Planner(Constructors):
             raise src.PortError(f"line {site.line}: its iterations need different constructors")
         ((expression, form),) = forms
         if expression is None:
-            raise src.PortError(f"line {site.line}: {form.split('# ', 1)[1]}")
+            raise src.PortError(f"line {site.line}: {form}")
         if id(loop) not in written:
             written.add(id(loop))
             self.init_lines.append(f"for {code_of(loop.target)} in {self.text(loop.iter)}:")
@@ -207,14 +207,11 @@ class Planner(Constructors):
                 child = None  # the branch the trace did not take
             expression, form = self.constructor(site, child)
             if expression is None:
-                comment = form.split("# ", 1)[1]
-                self.self_edits[id(site.node)] = rw.SelfEdit(cst.Name("None"), comment)
+                self.self_edits[id(site.node)] = rw.SelfEdit(cst.Name("None"), form)
                 form = "stub"
             else:
-                comment = None
-                if form.startswith("bridged"):  # the stub `bridge` just listed, marked here
-                    stub = self.stubs[-1]
-                    comment = f"{STUB} (Linen line {stub.line}): {stub.idiom}: {stub.note}"
+                bridged = form.startswith("bridged")  # the stub `bridge` just listed
+                comment = self.stubs[-1].comment if bridged else None
                 replacement = cst.parse_expression(expression)
                 self.self_edits[id(site.node)] = rw.SelfEdit(replacement, comment)
             if site.in_loop:
@@ -245,9 +242,8 @@ class Planner(Constructors):
                 self.mark(call, f"self.{call.method}", note, linen_code=True)
 
     def mark(self, call: src.SelfCall, idiom: str, note: str, linen_code: bool = False) -> None:
-        comment = f"{STUB} (Linen line {call.line}): {idiom}: {note}"
-        self.self_edits[id(call.node)] = rw.SelfEdit(None, comment)
         self.stubs.append(Stub(call.line, idiom, note, linen_code))
+        self.self_edits[id(call.node)] = rw.SelfEdit(None, self.stubs[-1].comment)
 
     def param(self, call: src.SelfCall) -> None:
         args = call.node.args

@@ -114,6 +114,11 @@ class Stub:
     def __str__(self) -> str:
         return f"line {self.line}: {self.idiom}: {self.note}"
 
+    @property
+    def comment(self) -> str:
+        """The mark the port's code carries where the construct stands."""
+        return f"{STUB} (Linen line {self.line}): {self.idiom}: {self.note}"
+
 
 @dataclasses.dataclass(frozen=True)
 class Placed:
