@@ -361,6 +361,20 @@ def user_module(tmp_path, monkeypatch):
     return write
 
 
+@pytest.fixture
+def passing_port(user_module, tmp_path):
+    """Writes a user's module file, ports its class, asserts the port passed its gate and
+    returns the `PortResult` (into `tmp_path` unless told `out`)."""
+
+    def port(module_name, text, class_name, inputs, out=None, **options):
+        module = user_module(module_name, text)
+        result = command.port(getattr(module, class_name), inputs, out or tmp_path, **options)
+        assert result.status == 0, result.gate.report
+        return result
+
+    return port
+
+
 def test_an_mlp_ports_to_a_passing_gate_with_no_edit(user_module, tmp_path):
     """Dense (named and auto-named), LayerNorm, Dropout and activations: the port passes
     forward and grads in eval mode and `random` in train mode; comments are kept."""
@@ -426,13 +440,11 @@ def test_embed_norm_dense_general_and_a_param_and_the_written_test_passes(user_m
     test_file.test_port()
 
 
-def test_a_users_own_class_is_ported_once_and_an_untranslated_layer_bridged(user_module, tmp_path):
+def test_a_users_own_class_is_ported_once_and_an_untranslated_layer_bridged(passing_port):
     """A user's Linen class built in the module is ported beside it (one NNX class, two
     instances, the constructor argument computed in `__call__` written as its traced value);
     a layer with no NNX form stays a marked `ToNNX` stub; the whole port passes its gate."""
-    module = user_module("port_bridged", BRIDGED)
-    result = command.port(module.Block, "float32[3,4]", tmp_path)
-    assert result.status == 0, result.gate.report
+    result = passing_port("port_bridged", BRIDGED, "Block", "float32[3,4]")
     assert [(c.cls.__name__, c.instances) for c in result.classes] == [
         ("Gate", (("gate",), ("Gate_0",))),
         ("Block", ((),)),
@@ -450,11 +462,9 @@ def test_a_users_own_class_is_ported_once_and_an_untranslated_layer_bridged(user
     assert "ported with it: Gate" in result.summary()
 
 
-def test_group_and_instance_norms_and_a_transposed_conv_port_bit_exact(user_module, tmp_path):
+def test_group_and_instance_norms_and_a_transposed_conv_port_bit_exact(passing_port):
     """Their feature sizes from the trace, the group options carried as written."""
-    module = user_module("port_norms", NORMS)
-    result = command.port(module.Norms, "float32[2,6,6,4]", tmp_path)
-    assert result.status == 0, result.gate.report
+    result = passing_port("port_norms", NORMS, "Norms", "float32[2,6,6,4]")
     code = result.nnx_path.read_text()
     assert "nnx.GroupNorm(4, num_groups=2, rngs=rngs)" in code
     assert "nnx.ConvTranspose(4, out_features=4, kernel_size=(3, 3), strides=(2, 2)," in code
@@ -496,25 +506,21 @@ def test_a_setup_style_module_ports_with_its_own_classes_and_renamed_parameter(
     assert shifted.nnx_path.read_text() == code  # one port serves either branch
 
 
-def test_instances_needing_different_sizes_leave_their_class_bridged(user_module, tmp_path):
+def test_instances_needing_different_sizes_leave_their_class_bridged(passing_port):
     """Two instances of one class whose traced input sizes differ and match no field: the class
     is not ported (its reason in the summary) and each site is bridged; the rest passes."""
-    module = user_module("port_uneven", UNEVEN)
-    result = command.port(module.Twice, "float32[2,5]", tmp_path)
-    assert result.status == 0, result.gate.report
+    result = passing_port("port_uneven", UNEVEN, "Twice", "float32[2,5]")
     gate_class = result.classes[0]
     assert gate_class.emitted is None and "need different NNX code" in gate_class.refused
     assert [s.line for s in result.stubs] == [16, 17]
     assert "not ported: Gate (its instances at Gate_0 and Gate_1" in result.summary()
 
 
-def test_a_wrapped_nnx_module_is_its_own_port_and_locals_read_as_fields(user_module, tmp_path):
+def test_a_wrapped_nnx_module_is_its_own_port_and_locals_read_as_fields(passing_port, tmp_path):
     """`nnx.bridge.ToLinen` built by a factory with `name=`: the port builds the NNX class
     itself, each argument the call's expression where it gives the traced value (else the
     value), the class's own defaults left out; `width = self.width` read through the field."""
-    module = user_module("port_wrapped", WRAPPED)
-    result = command.port(module.Half, "float32[2,4]", tmp_path / "out")
-    assert result.status == 0, result.gate.report
+    result = passing_port("port_wrapped", WRAPPED, "Half", "float32[2,4]", out=tmp_path / "out")
     assert [(p.linen, p.form) for p in result.placed] == [
         ("inner", "Scaled (NNX, unwrapped)"),
         ("Dense_0", "nn.Dense -> nnx.Linear"),
@@ -525,13 +531,11 @@ def test_a_wrapped_nnx_module_is_its_own_port_and_locals_read_as_fields(user_mod
     assert "from port_wrapped import Scaled" in code
 
 
-def test_a_list_of_rematerialised_blocks_made_in_setup(user_module, tmp_path):
+def test_a_list_of_rematerialised_blocks_made_in_setup(passing_port):
     """`[block(..., name=f"blocks.{i}") for ...]` through a local holding `nn.remat(Block)`:
     an `nnx.List` of the ported class rematerialised by the port's `remat_class`; the
     weight map carries `blocks.0` to `blocks/0`."""
-    module = user_module("port_stack", STACK)
-    result = command.port(module.Stack, "float32[2,4]", tmp_path)
-    assert result.status == 0, result.gate.report
+    result = passing_port("port_stack", STACK, "Stack", "float32[2,4]")
     code = result.nnx_path.read_text()
     assert "def remat_class(cls, **options):" in code
     assert "block = remat_class(block, static_argnums=2)" in code and "block = Block\n" in code
@@ -542,12 +546,10 @@ def test_a_list_of_rematerialised_blocks_made_in_setup(user_module, tmp_path):
     assert [p.attribute for p in result.placed] == ["blocks/0", "blocks/1", "blocks/2"]
 
 
-def test_submodules_made_in_a_compact_loop_are_made_in_the_same_loop_in_init(user_module, tmp_path):
+def test_submodules_made_in_a_compact_loop_are_made_in_the_same_loop_in_init(passing_port):
     """`for i in range(self.depth): nn.Dense(..., name=f"dense_{i}")(x)`: the same loop in
     `__init__` sets each layer by its Linen name, `__call__` reads it back with `getattr`."""
-    module = user_module("port_tower", LOOPED)
-    result = command.port(module.Tower, "float32[2,4]", tmp_path)
-    assert result.status == 0, result.gate.report
+    result = passing_port("port_tower", LOOPED, "Tower", "float32[2,4]")
     code = result.nnx_path.read_text()
     assert (
         "        for i in range(self.depth):\n"
@@ -579,14 +581,10 @@ def test_linen_only_code_leaves_its_class_bridged_and_another_method_is_gated(
         command.port(module.Codec, "int32[2,3]", tmp_path / "x", method="decode")
 
 
-def test_variables_of_linen_collections_become_nnx_variables_compared_after_each_call(
-    user_module, tmp_path
-):
+def test_variables_of_linen_collections_become_nnx_variables_compared_after_each_call(passing_port):
     """`self.variable("batch_stats", ...)` -> `nnx.BatchStat`, another collection -> a
     `Variable` subclass the port file defines (and the gate maps); `.value` -> `[...]`."""
-    module = user_module("port_counted", STATEFUL)
-    result = command.port(module.Counted, "float32[2,3]", tmp_path, call_kwargs=[{}, {}])
-    assert result.status == 0, result.gate.report
+    result = passing_port("port_counted", STATEFUL, "Counted", "float32[2,3]", call_kwargs=[{}, {}])
     code = result.nnx_path.read_text()
     assert "class Stats(nnx.Variable):" in code
     assert "self.ema = Stats(jnp.zeros((self.features,)))" in code
@@ -599,13 +597,11 @@ def test_variables_of_linen_collections_become_nnx_variables_compared_after_each
     }
 
 
-def test_scanned_and_vmapped_classes_become_stacked_nnx_modules(user_module, tmp_path):
+def test_scanned_and_vmapped_classes_become_stacked_nnx_modules(passing_port):
     """`nn.scan(Block, ...)` and `nn.vmap(Head, ...)` of classes: the port file's
     `scan_class` / `vmap_class` build the instances stacked under `nnx.vmap` (the stacked axis
     named in the sharding metadata) and call them under `nnx.scan` / `nnx.vmap`."""
-    module = user_module("port_scanned", SCANNED)
-    result = command.port(module.Layers, "float32[2,4]", tmp_path)
-    assert result.status == 0, result.gate.report
+    result = passing_port("port_scanned", SCANNED, "Layers", "float32[2,4]")
     code = result.nnx_path.read_text()
     assert "def scan_class(cls, *, length," in code and "def vmap_class(cls, *, axis_size," in code
     assert "scanned = scan_class(" in code and "mapped = vmap_class(" in code
@@ -699,7 +695,7 @@ def test_the_twins_decoder_layer_ports_to_a_passing_gate_with_no_stub(
 
 
 def test_the_command_ports_with_fields_from_and_snake_names_nest_their_renames(
-    user_module, tmp_path, capsys
+    passing_port, tmp_path, capsys
 ):
     """`migrate port ... --fields_from=...` exits 0 with its summary; `--names=snake` renames
     the auto-named layers inside a ported class too, at their full paths."""
@@ -707,9 +703,9 @@ def test_the_command_ports_with_fields_from_and_snake_names_nest_their_renames(
     fields = "--fields_from=migrate.port.corpus:llama2_tiny_config"
     assert migrate(*args, fields) == cli.EXIT_PASS
     assert "RMSNorm (Linen) vs RMSNorm (NNX port): PASS" in capsys.readouterr().out
-    module = user_module("port_nested", BRIDGED)
-    result = command.port(module.Block, "float32[3,4]", tmp_path / "snake", names="snake")
-    assert result.status == 0, result.gate.report
+    result = passing_port(
+        "port_nested", BRIDGED, "Block", "float32[3,4]", out=tmp_path / "snake", names="snake"
+    )
     assert result.renames[("gate", "Dense_0")] == ("gate", "dense_0")
     assert result.renames[("Gate_0",)] == ("gate_0",)
 
