@@ -293,7 +293,7 @@ def _port(positional: Sequence[str]) -> int:
     spec.parse_inputs(FLAGS.inputs)
     spec.parse_call_kwargs(FLAGS.call_kwargs)
     if FLAGS.fields_from is not None:
-        spec.parse_fields_from(FLAGS.fields_from, positional[0])
+        spec.check_fields_from(FLAGS.fields_from, positional[0])
     # A module built on a mesh (through --fields_from) finds the project's simulated devices.
     ensure_simulated_devices(DEFAULT_DEVICES)
     from migrate.port import command as port_command

@@ -724,6 +724,10 @@ def test_bad_input_exits_2_in_one_line(user_module, tmp_path, capsys):
         ),  # fmt: skip,
         (("port", "port_ok:MLP", "--inputs=float32[4,8]", "--fields_from=x"), "MODULE:FUNCTION"),
         (
+            ("port", "port_ok:MLP(hidden=4)", "--inputs=float32[4,8]", "--fields_from=a:b"),
+            "give one of them",
+        ),
+        (
             ("port", "port_ok:MLP", "--inputs=float32[4,8]", "--out=o", "--fields_from=os:getcwd"),
             "returned str, not a mapping",
         ),

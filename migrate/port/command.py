@@ -133,7 +133,7 @@ def _instance(module: Any) -> tuple[type, dict[str, Any]]:
 
 def _fields_from(target: str) -> dict[str, Any]:
     """`MODULE:FUNCTION`'s fields: the function called with no arguments returns a mapping."""
-    module_name, function_name = spec.parse_fields_from(target, "m:C")
+    module_name, function_name = spec.parse_fields_from(target)
     try:
         function = getattr(importlib.import_module(module_name), function_name)
         fields = function()

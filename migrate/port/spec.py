@@ -93,12 +93,17 @@ def parse_target(text: str) -> tuple[str, str, dict[str, object]]:
     raise BadInput(f"{rest!r} is not CLASS or CLASS(field=literal, ...)")
 
 
-def parse_fields_from(text: str, target: str) -> tuple[str, str]:
-    """`MODULE:FUNCTION` -> (module, function); BadInput for another form, or beside fields
-    given in the target (`CLASS(field=...)`)."""
+def parse_fields_from(text: str) -> tuple[str, str]:
+    """`MODULE:FUNCTION` -> (module, function); BadInput for another form."""
     module, sep, function = text.partition(":")
     if not sep or not module or not function.isidentifier():
         raise BadInput(f"--fields_from: expected MODULE:FUNCTION, got {text!r}")
+    return module, function
+
+
+def check_fields_from(text: str, target: str) -> None:
+    """`--fields_from` well formed, and not beside fields given in the target
+    (`CLASS(field=...)`): BadInput otherwise."""
+    parse_fields_from(text)
     if parse_target(target)[2]:
         raise BadInput("--fields_from and fields in the target (CLASS(...)): give one of them")
-    return module, function
