@@ -33,22 +33,21 @@ def _init(
     init = cst.parse_statement(text)
     if setup is None:
         return init
-    statements = [s for s in init.body.body if body] + list(setup.body.body)
-    docstring = _docstring(statements)
-    if docstring is not None:  # setup's docstring first
-        statements = [docstring] + [s for s in statements if s is not docstring]
-    return init.with_changes(body=init.body.with_changes(body=statements))
+    assigned = list(init.body.body) if body else []  # `pass` where there are no fields
+    inlined = list(setup.body.body)
+    if inlined and _is_docstring(inlined[0]):  # setup's docstring stays first
+        return init.with_changes(
+            body=init.body.with_changes(body=[inlined[0], *assigned, *inlined[1:]])
+        )
+    return init.with_changes(body=init.body.with_changes(body=[*assigned, *inlined]))
 
 
-def _docstring(statements: list[cst.BaseStatement]) -> cst.BaseStatement | None:
-    for s in statements:
-        if (
-            isinstance(s, cst.SimpleStatementLine)
-            and isinstance(s.body[0], cst.Expr)
-            and isinstance(s.body[0].value, cst.SimpleString | cst.ConcatenatedString)
-        ):
-            return s
-    return None
+def _is_docstring(statement: cst.BaseStatement) -> bool:
+    return (
+        isinstance(statement, cst.SimpleStatementLine)
+        and isinstance(statement.body[0], cst.Expr)
+        and isinstance(statement.body[0].value, cst.SimpleString | cst.ConcatenatedString)
+    )
 
 
 def emit(
