@@ -15,7 +15,14 @@ from flax import nnx
 
 from migrate.port import ported
 from migrate.port.ported import code_of
-from migrate.port.source import ClassSource, is_compact, names_in, resolve, self_attribute
+from migrate.port.source import (
+    ClassSource,
+    is_compact,
+    names_in,
+    names_read,
+    resolve,
+    self_attribute,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,20 +67,12 @@ def locals_of(function: cst.FunctionDef) -> dict[str, Local]:
 def substitute(node: cst.BaseExpression, values: Mapping[str, cst.BaseExpression]) -> Any:
     """`node` with each local name read in it replaced by its value (`cfg.dtype` ->
     `self.config.dtype` where `cfg = self.config`); attributes' and keywords' own names kept."""
-    kept: set[int] = set()
-
-    class Names(cst.CSTVisitor):
-        def visit_Attribute(self, node: cst.Attribute) -> None:
-            kept.add(id(node.attr))
-
-        def visit_Arg(self, node: cst.Arg) -> None:
-            if node.keyword is not None:
-                kept.add(id(node.keyword))
+    read = {id(name) for name in names_read(node)}
 
     class Substitute(cst.CSTTransformer):
         def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> Any:
             value = values.get(original_node.value)
-            if value is None or id(original_node) in kept:
+            if value is None or id(original_node) not in read:
                 return updated_node
             simple = isinstance(value, cst.Name | cst.Attribute | cst.Subscript | cst.Call)
             return (
@@ -82,7 +81,6 @@ def substitute(node: cst.BaseExpression, values: Mapping[str, cst.BaseExpression
                 else value.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
             )
 
-    node.visit(Names())
     return node.visit(Substitute())
 
 

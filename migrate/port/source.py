@@ -174,9 +174,9 @@ def resolve(node: cst.BaseExpression, scope: Mapping[str, Any]) -> Any:
     return None
 
 
-def names_in(node: cst.CSTNode) -> set[str]:
-    """The bare names an expression reads (attributes' own names left out)."""
-    found: set[str] = set()
+def names_read(node: cst.CSTNode) -> list[cst.Name]:
+    """The `Name` nodes an expression reads (attributes' and keywords' own names left out)."""
+    found: list[cst.Name] = []
 
     class Names(cst.CSTVisitor):
         def visit_Attribute(self, node: cst.Attribute) -> bool:
@@ -188,10 +188,15 @@ def names_in(node: cst.CSTNode) -> set[str]:
             return False
 
         def visit_Name(self, node: cst.Name) -> None:
-            found.add(node.value)
+            found.append(node)
 
     node.visit(Names())
     return found
+
+
+def names_in(node: cst.CSTNode) -> set[str]:
+    """The bare names an expression reads."""
+    return {name.value for name in names_read(node)}
 
 
 def is_static(node: cst.CSTNode, scope: Mapping[str, Any]) -> bool:
