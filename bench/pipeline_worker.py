@@ -75,7 +75,7 @@ def config():
             "dtype=float32",
             "weight_dtype=float32",
             "matmul_precision=highest",
-            "remat_policy=save_iteration_and_layer_inputs",
+            "remat_policy=full",
         ),
     )
 

@@ -64,10 +64,7 @@ def maxtext_overrides(cfg, topology: str | None = None) -> list[str]:
     ):
         value = getattr(cfg, key)
         overrides[key] = str(value).lower() if isinstance(value, bool) else value
-    # Ours saves the iteration and layer inputs; MaxText's `full` resolves to the same names.
-    if cfg.remat_policy != "save_iteration_and_layer_inputs":
-        raise SystemExit(f"remat_policy={cfg.remat_policy}: no MaxText counterpart mapped")
-    overrides["remat_policy"] = "full"
+    overrides["remat_policy"] = cfg.remat_policy  # MaxText's names and meanings
     return [f"{k}={v}" for k, v in overrides.items()]
 
 

@@ -18,7 +18,7 @@ import migrate.nnx.decoder as nnx_decoder
 import migrate.nnx.layers as nnx_layers
 import migrate.nnx.pipeline as nnx_pipeline
 import migrate.nnx.train as nnx_train
-from migrate.common import axes, numerics
+from migrate.common import axes, numerics, remat
 from parity import cli
 from parity.decoder import twins
 
@@ -127,9 +127,9 @@ def microbatches_out_of_order(monkeypatch):
 
 def remat_removed(monkeypatch):
     """The pipeline iteration body no longer checkpointed."""
-    no_remat = types.SimpleNamespace(**vars(numerics))
-    no_remat.remat_policy = lambda cfg: None
-    monkeypatch.setattr(nnx_pipeline, "numerics", no_remat)
+    no_remat = types.SimpleNamespace(**vars(remat))
+    no_remat.iteration_policy = lambda cfg: None
+    monkeypatch.setattr(nnx_pipeline, "remat", no_remat)
 
 
 def residual_dropped(monkeypatch):
@@ -246,9 +246,9 @@ def mlp_constraint_dropped(monkeypatch):
 def remat_policy_changed(monkeypatch):
     """The pipeline iterations rematerialised with 'save nothing' instead of the config's
     policy (which saves the iteration and layer inputs)."""
-    wrong = types.SimpleNamespace(**vars(numerics))
-    wrong.remat_policy = lambda cfg: jax.checkpoint_policies.nothing_saveable
-    monkeypatch.setattr(nnx_pipeline, "numerics", wrong)
+    wrong = types.SimpleNamespace(**vars(remat))
+    wrong.iteration_policy = lambda cfg: jax.checkpoint_policies.nothing_saveable
+    monkeypatch.setattr(nnx_pipeline, "remat", wrong)
 
 
 def embedding_off_by_one(monkeypatch):
@@ -713,7 +713,7 @@ def remainder_rows_reversed(monkeypatch):
     def reversed_rows(self, x, positions, trace=False):
         graphdef, state = nnx.split(self.layers)
         layers = nnx.merge(graphdef, jax.tree.map(lambda w: w[::-1], state))
-        policy = numerics.remat_policy(self.config)
+        policy = remat.layer_policy(self.config)
         return nnx_pipeline.scan_layers(layers, x, positions, policy, trace)
 
     monkeypatch.setattr(nnx_decoder.LayersAfterPipeline, "__call__", reversed_rows)

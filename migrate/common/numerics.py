@@ -1,11 +1,10 @@
-"""Dtypes, matmul precision, initializers and remat policies named by a config (both twins)."""
+"""Dtypes, matmul precision and initializers named by a config (both twins)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from migrate.common import axes
 from migrate.config.contract import Config
 
 _PRECISION = {
@@ -41,16 +40,3 @@ def kernel_init(
 
 embedding_init = jax.nn.initializers.normal(stddev=1.0)
 scale_init = jax.nn.initializers.ones
-
-
-def remat_policy(cfg: Config):
-    """The `jax.checkpoint` policy that `remat_policy` names, or None for no remat."""
-    if cfg.remat_policy == "none":
-        return None
-    if cfg.remat_policy == "save_iteration_and_layer_inputs":
-        return jax.checkpoint_policies.save_only_these_names(
-            axes.ITERATION_INPUT, axes.DECODER_LAYER_INPUT
-        )
-    if cfg.remat_policy == "minimal":
-        return jax.checkpoint_policies.checkpoint_dots
-    return jax.checkpoint_policies.nothing_saveable  # "full"

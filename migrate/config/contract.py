@@ -82,7 +82,24 @@ class Config:
     scan_layers_per_stage: bool
     scan_pipeline_iterations: bool
     set_remat_policy_on_pipeline_iterations: bool
-    remat_policy: str
+    remat_policy: str  # MaxText's names (`migrate.common.remat`)
+    # `remat_policy: custom`'s place of each tagged tensor: remat, device or offload.
+    decoder_layer_input: str
+    context: str
+    mlpwi: str
+    mlpwi_0: str
+    mlpwi_1: str
+    mlpwo: str
+    moe_mlpwi_0: str
+    moe_mlpwi_1: str
+    moe_mlpwo: str
+    query_proj: str
+    key_proj: str
+    value_proj: str
+    kv_proj: str
+    qkv_proj: str
+    attention_out: str
+    out_proj: str
 
     ici_data_parallelism: int
     ici_fsdp_parallelism: int

@@ -11,6 +11,7 @@ import difflib
 import math
 from typing import TYPE_CHECKING, Any
 
+from migrate.common import remat
 from migrate.common.axes import LOGICAL_NAMES
 from migrate.config import bounds
 
@@ -21,7 +22,6 @@ if TYPE_CHECKING:
 MESH_AXES: tuple[str, ...] = ("data", "stage", "fsdp", "tensor", "expert")
 DTYPES = ("float32", "bfloat16")
 MATMUL_PRECISIONS = ("default", "high", "highest")
-REMAT_POLICIES = ("save_iteration_and_layer_inputs", "full", "minimal", "none")
 PRNG_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
 
 _short = bounds.short_repr
@@ -86,7 +86,8 @@ def violations(cfg: Config) -> list[str]:
         ("dtype", DTYPES),
         ("weight_dtype", DTYPES),
         ("matmul_precision", MATMUL_PRECISIONS),
-        ("remat_policy", REMAT_POLICIES),
+        ("remat_policy", remat.POLICIES),
+        *((name, remat.PLACES) for name in remat.CUSTOM_TENSORS),
         ("jax_default_prng_impl", PRNG_IMPLS),
     ):
         need(

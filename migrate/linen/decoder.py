@@ -12,7 +12,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from migrate.common import axes, numerics, placement, sharding
+from migrate.common import axes, placement, remat, sharding
 from migrate.config.contract import Config
 from migrate.linen.layers import DecoderLayer, DenseGeneral, Embed, RMSNorm, constrain
 from migrate.linen.pipeline import Pipeline, scan_layers
@@ -69,7 +69,7 @@ class Decoder(nn.Module):
                 aux = aux + after_aux
         else:
             length = cfg.base_num_decoder_layers
-            policy = numerics.remat_policy(cfg)
+            policy = remat.layer_policy(cfg)
             x, aux = scan_layers(self.layers, x, positions, length, axes.REFERENCE_LAYERS, policy)
         x = self.decoder_norm(x)
         x = constrain(x, axes.LOGITS_HEAD_INPUT, self.mesh, rules)
@@ -96,7 +96,7 @@ class LayersAfterPipeline(nn.Module):
         `[N-P, B, T, E]`."""
         cfg = self.config
         length = cfg.num_layers_after_pipeline
-        policy = numerics.remat_policy(cfg)
+        policy = remat.layer_policy(cfg)
         return scan_layers(
             self.layers, x, positions, length, axes.LAYERS_AFTER_PIPELINE, policy, trace
         )

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 
-from migrate.common import axes, numerics, schedule, sharding
+from migrate.common import axes, remat, schedule, sharding
 from migrate.config.contract import Config
 from migrate.linen.layers import DecoderLayer, constrain
 
@@ -218,7 +218,7 @@ class Pipeline(nn.Module):
             step = functools.partial(iteration, window, start)
             return schedule.iterate(step, state, b * num_micro, count, scanned)
 
-        policy = numerics.remat_policy(cfg)
+        policy = remat.iteration_policy(cfg)
         if cfg.set_remat_policy_on_pipeline_iterations and policy is not None:
             block = jax.checkpoint(block, policy=policy, prevent_cse=not scanned, static_argnums=0)
         repeats = cfg.num_repeats
@@ -330,7 +330,7 @@ class Pipeline(nn.Module):
             }
             return new_state, (stage_outputs if trace else None)
 
-        policy = numerics.remat_policy(cfg)
+        policy = remat.iteration_policy(cfg)
         if cfg.set_remat_policy_on_pipeline_iterations and policy is not None:
             iteration = jax.checkpoint(
                 iteration, policy=policy, prevent_cse=not cfg.scan_pipeline_iterations

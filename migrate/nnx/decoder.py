@@ -12,7 +12,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from migrate.common import axes, numerics, placement, sharding
+from migrate.common import axes, placement, remat, sharding
 from migrate.config.contract import Config
 from migrate.nnx.layers import DecoderLayer, DenseGeneral, Embed, RMSNorm, constrain
 from migrate.nnx.pipeline import Pipeline, scan_layers, stack_modules
@@ -74,7 +74,7 @@ class Decoder(nnx.Module):
                 x, after_aux = self.layers_after_pipeline(x, positions)
                 aux = aux + after_aux
         else:
-            policy = numerics.remat_policy(cfg)
+            policy = remat.layer_policy(cfg)
             x, aux = scan_layers(self.layers, x, positions, policy)
         x = self.decoder_norm(x)
         x = constrain(x, axes.LOGITS_HEAD_INPUT, self.mesh, rules)
@@ -104,7 +104,7 @@ class LayersAfterPipeline(nnx.Module):
         """`[B, T, E] -> ([B, T, E], aux)`; with `trace`, also every layer's output
         `[N-P, B, T, E]`."""
         cfg = self.config
-        policy = numerics.remat_policy(cfg)
+        policy = remat.layer_policy(cfg)
         return scan_layers(self.layers, x, positions, policy, trace)
 
 

@@ -14,7 +14,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
-from migrate.common import axes, moe, numerics, sharding
+from migrate.common import axes, moe, numerics, remat, sharding
 from migrate.config.contract import Config, Rules
 
 # Large negative score for masked positions (finite, so a fully masked row stays NaN-free).
@@ -184,6 +184,10 @@ class Attention(nnx.Module):
         key = constrain(key, axes.BATCH_LENGTH_KV_HEADS_KV, self.mesh, rules)
         value = constrain(value, axes.BATCH_LENGTH_KV_HEADS_KV, self.mesh, rules)
         query = query * cfg.head_dim**-0.5
+        # MaxText's checkpoint names, which its remat policies save (`migrate.common.remat`).
+        query = checkpoint_name(query, remat.QUERY_PROJ)
+        key = checkpoint_name(key, remat.KEY_PROJ)
+        value = checkpoint_name(value, remat.VALUE_PROJ)
         batch, length, heads, head_dim = query.shape
         groups = heads // cfg.base_num_kv_heads
         grouped_query = query.reshape(batch, length, cfg.base_num_kv_heads, groups, head_dim)
@@ -194,8 +198,10 @@ class Attention(nnx.Module):
         scores = jnp.where(causal, scores, MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
         context = jnp.einsum("bkgts,bskd->btkgd", probs, value, precision=numerics.precision(cfg))
-        context = context.reshape(batch, length, heads, head_dim)
-        return self.out(context)
+        context = checkpoint_name(
+            context.reshape(batch, length, heads, head_dim), remat.ATTENTION_OUT
+        )
+        return checkpoint_name(self.out(context), remat.OUT_PROJ)
 
 
 class MLP(nnx.Module):
@@ -211,9 +217,11 @@ class MLP(nnx.Module):
         self.wo = DenseGeneral((mlp,), (emb,), axes.MLP_OUT, cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        hidden = jax.nn.silu(self.wi_0(x)) * self.wi_1(x)
+        gate_proj = checkpoint_name(self.wi_0(x), remat.MLPWI_0)
+        up_proj = checkpoint_name(self.wi_1(x), remat.MLPWI_1)
+        hidden = jax.nn.silu(gate_proj) * up_proj
         hidden = constrain(hidden, axes.BATCH_LENGTH_MLP, self.mesh, self.config.logical_axis_rules)
-        return self.wo(hidden)
+        return checkpoint_name(self.wo(hidden), remat.MLPWO)
 
 
 class MoeBlock(nnx.Module):
@@ -263,12 +271,16 @@ class MoeBlock(nnx.Module):
             "btd,edf->btef", x, self.wi_0[...].astype(dtype), precision=precision
         )
         up_proj = jnp.einsum("btd,edf->btef", x, self.wi_1[...].astype(dtype), precision=precision)
+        # Each under both of MaxText's names (its dense and its MoE remat keys).
+        gate_proj = checkpoint_name(checkpoint_name(gate_proj, remat.MLPWI_0), remat.MOE_MLPWI_0)
+        up_proj = checkpoint_name(checkpoint_name(up_proj, remat.MLPWI_1), remat.MOE_MLPWI_1)
         hidden = jax.nn.silu(gate_proj) * up_proj * combine[..., None].astype(dtype)
         hidden = constrain(hidden, axes.BATCH_NO_EXP_LENGTH_EXP_MLP, self.mesh, rules)
         y = jnp.einsum("btef,efd->btd", hidden, self.wo[...].astype(dtype), precision=precision)
         # Pinned, or XLA may gather the tokens over fsdp to meet wo's fsdp-split embed dim and
         # compute the output projection once per fsdp shard (measured: 1.29x the matmul work).
         y = constrain(y, axes.BATCH_NO_EXP_LENGTH_EMBED, self.mesh, rules)
+        y = checkpoint_name(checkpoint_name(y, remat.MLPWO), remat.MOE_MLPWO)
         return y, moe.load_balance_loss(probs, routed)
 
 

@@ -77,7 +77,7 @@ def schedule_free(cfg: Config) -> Config:
         pipeline_fsdp_ag_once=False,
         scan_pipeline_iterations=True,
         set_remat_policy_on_pipeline_iterations=True,
-        remat_policy="save_iteration_and_layer_inputs",
+        remat_policy="full",
     )
 
 
