@@ -45,7 +45,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 from serve import compile_and_report, serve, timed_compile  # noqa: E402
 
-from migrate.common import sharding  # noqa: E402
+from migrate.common import packing, sharding  # noqa: E402
 from migrate.config.loading import load_config  # noqa: E402
 from migrate.linen import decoder as linen_decoder  # noqa: E402
 from migrate.linen import pipeline as linen_pipeline  # noqa: E402
@@ -89,7 +89,7 @@ def main() -> None:
         ),
         NamedSharding(mesh, PartitionSpec()),
     )
-    positions = jnp.broadcast_to(jnp.arange(args.seq), x.shape[:2])
+    positions = packing.Positions(jnp.broadcast_to(jnp.arange(args.seq), x.shape[:2]))
     if args.framework == "nnx":
         with nnx.use_eager_sharding(False):  # placed below, by the full stacked names
             model = nnx_pipeline.Pipeline(cfg, mesh, rngs=nnx.Rngs(params=0))

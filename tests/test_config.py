@@ -128,6 +128,10 @@ RULES = [
     (("matmul_precision=fast",), ["matmul_precision='fast'", "default, high, highest"]),
     (("remat_policy=some",), ["remat_policy='some'", "save_dot_except_mlp"]),
     (("remat_policy=custom", "out_proj=host"), ["out_proj='host'", "remat, device, offload"]),
+    (
+        ("packing=true", "gradient_accumulation_steps=2"),
+        ["packing=true", "gradient_accumulation_steps=2", "unequally"],
+    ),
     (("normalization_layer_epsilon=0",), ["normalization_layer_epsilon=0.0", "> 0"]),
     (("rope_min_timescale=20000",), ["rope_min_timescale=20000.0", "rope_max_timescale=10000.0"]),
     (("head_dim=15",), ["head_dim=15", "must be even"]),

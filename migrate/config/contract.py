@@ -57,6 +57,9 @@ class Config:
     load_balance_loss_weight: float
 
     per_device_batch_size: float
+    # Packed sequences (MaxText's key): documents of random lengths share a row, each token
+    # attending only to its own document (`migrate.common.packing`).
+    packing: bool
     # Microbatches one optimizer step accumulates gradients over (MaxText's key): a step trains
     # on `gradient_accumulation_steps` batches of `global_batch_size` rows (`train_batch_size`).
     gradient_accumulation_steps: int

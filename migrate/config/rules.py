@@ -94,6 +94,12 @@ def violations(cfg: Config) -> list[str]:
             getattr(cfg, key) in allowed,
             f"{key}={getattr(cfg, key)!r}: must be one of {', '.join(allowed)}",
         )
+    need(
+        not (cfg.packing and cfg.gradient_accumulation_steps > 1),
+        f"packing=true, gradient_accumulation_steps={cfg.gradient_accumulation_steps}: "
+        "accumulation averages the k batches' losses, which weighs packed batches with other "
+        "token counts unequally; packing runs with gradient_accumulation_steps=1",
+    )
     for key in ("learning_rate", "adam_eps"):
         need(getattr(cfg, key) > 0, f"{key}={getattr(cfg, key)}: must be > 0")
     for key in ("adam_b1", "adam_b2"):

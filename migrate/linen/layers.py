@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
-from migrate.common import axes, moe, numerics, remat, sharding
+from migrate.common import axes, moe, numerics, packing, remat, sharding
 from migrate.config.contract import Config, Rules
 
 # Large negative score for masked positions (finite, so a fully masked row stays NaN-free).
@@ -168,11 +168,11 @@ class Attention(nn.Module):
         self.out = DenseGeneral((heads, head_dim), (emb,), axes.ATTENTION_OUT, cfg)
         self.rotary = RotaryEmbedding(cfg)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: packing.Positions) -> jax.Array:
         cfg = self.config
         rules = cfg.logical_axis_rules
-        query = self.rotary(self.query(x), positions)
-        key = self.rotary(self.key(x), positions)
+        query = self.rotary(self.query(x), positions.index)
+        key = self.rotary(self.key(x), positions.index)
         value = self.value(x)
         query = constrain(query, axes.BATCH_LENGTH_HEADS_KV, self.mesh, rules)
         key = constrain(key, axes.BATCH_LENGTH_KV_HEADS_KV, self.mesh, rules)
@@ -188,8 +188,7 @@ class Attention(nn.Module):
         scores = jnp.einsum(
             "btkgd,bskd->bkgts", grouped_query, key, precision=numerics.precision(cfg)
         ).astype(jnp.float32)
-        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-        scores = jnp.where(causal, scores, MASK_VALUE)
+        scores = jnp.where(packing.attention_mask(positions, length), scores, MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
         context = jnp.einsum("bkgts,bskd->btkgd", probs, value, precision=numerics.precision(cfg))
         context = checkpoint_name(
@@ -302,7 +301,7 @@ class DecoderLayer(nn.Module):
         self.post_self_attention_layer_norm = RMSNorm(cfg)
         self.mlp = MoeBlock(cfg, self.mesh) if cfg.num_experts > 1 else MLP(cfg, self.mesh)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, positions: packing.Positions) -> tuple[jax.Array, jax.Array]:
         rules = self.config.logical_axis_rules
         x = checkpoint_name(x, axes.DECODER_LAYER_INPUT)
         x = constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)

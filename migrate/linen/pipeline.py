@@ -17,13 +17,13 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 
-from migrate.common import axes, remat, schedule, sharding
+from migrate.common import axes, packing, remat, schedule, sharding
 from migrate.config.contract import Config
 from migrate.linen.layers import DecoderLayer, constrain
 
 
 def apply_layer(
-    layer: nn.Module, x: jax.Array, positions: jax.Array
+    layer: nn.Module, x: jax.Array, positions: packing.Positions
 ) -> tuple[jax.Array, jax.Array]:
     """One decoder layer's `(x, aux)`: what `remat_layer` rematerialises."""
     return layer(x, positions)
@@ -39,7 +39,7 @@ def remat_layer(policy: Callable | None) -> Callable:
 def scan_layers(
     layer: nn.Module,
     x: jax.Array,
-    positions: jax.Array,
+    positions: packing.Positions,
     length: int,
     axis_name: str,
     policy: Callable | None = None,
@@ -88,7 +88,7 @@ class StageLayers(nn.Module):
             for slot in range(cfg.layers_per_stage):
                 setattr(self, f"layers_{slot}", DecoderLayer(cfg, self.mesh))
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, positions: packing.Positions) -> tuple[jax.Array, jax.Array]:
         """`(x, aux)`: aux the L layers' load-balancing losses summed."""
         cfg = self.config
         if cfg.scan_layers_per_stage:
@@ -139,7 +139,7 @@ class Pipeline(nn.Module):
     def __call__(
         self,
         inputs: jax.Array,
-        positions: jax.Array,
+        positions: packing.Positions,
         bubble_fill: float | jax.Array = 0.0,
         trace: bool = False,
     ):
@@ -152,7 +152,8 @@ class Pipeline(nn.Module):
         cfg = self.config
         if self.is_initializing():
             # Creates the [R, S, ...] weights; the init output only needs the right shape.
-            self.layers(inputs[: cfg.microbatch_size], positions[: cfg.microbatch_size])
+            first = jax.tree.map(lambda p: p[: cfg.microbatch_size], positions)
+            self.layers(inputs[: cfg.microbatch_size], first)
             return inputs, jnp.zeros(())
         stage = StageLayers(cfg, self.mesh, parent=None)
         boxed_weights = self.variables["params"]["layers"]
@@ -273,7 +274,7 @@ class Pipeline(nn.Module):
         stage,
         weights,
         inputs: jax.Array,
-        positions: jax.Array,
+        positions: packing.Positions,
         bubble_fill: float | jax.Array,
         trace: bool,
     ):
@@ -286,7 +287,9 @@ class Pipeline(nn.Module):
             mesh,
             rules,
         )
-        micro_positions = schedule.split_microbatches(positions, num_micro)
+        micro_positions = jax.tree.map(
+            lambda p: schedule.split_microbatches(p, num_micro), positions
+        )
         stage_shape = (cfg.num_stages, *micro_inputs.shape[1:])
         fill = jnp.asarray(bubble_fill, inputs.dtype)
         loop_state = {
@@ -311,7 +314,11 @@ class Pipeline(nn.Module):
             stage_inputs = checkpoint_name(stage_inputs, axes.ITERATION_INPUT)
             stage_inputs = constrain(stage_inputs, axes.STAGE_BATCH_LENGTH_EMBED, mesh, rules)
             stage_outputs, stage_aux = self.run_stages(
-                stage, window, stage_inputs, micro_positions[micro_ids], repeat_ids - first_repeat
+                stage,
+                window,
+                stage_inputs,
+                jax.tree.map(lambda p: p[micro_ids], micro_positions),
+                repeat_ids - first_repeat,
             )
             # The schedule's one collective per iteration: outputs move one stage right. The
             # rotation wraps the last stage's output around to stage 0, which stores it locally.

@@ -12,7 +12,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from migrate.common import axes, placement, remat, sharding
+from migrate.common import axes, packing, placement, remat, sharding
 from migrate.config.contract import Config
 from migrate.nnx.layers import DecoderLayer, DenseGeneral, Embed, RMSNorm, constrain
 from migrate.nnx.pipeline import Pipeline, scan_layers, stack_modules
@@ -57,13 +57,19 @@ class Decoder(nnx.Module):
             )
 
     def __call__(
-        self, tokens: jax.Array, bubble_fill: float | jax.Array = 0.0
+        self,
+        tokens: jax.Array,
+        bubble_fill: float | jax.Array = 0.0,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
-        """`(logits, aux)`; `bubble_fill` goes to the pipeline (`Pipeline.__call__`)."""
+        """`(logits, aux)`; `bubble_fill` goes to the pipeline (`Pipeline.__call__`). A packed
+        batch gives each token's `segment_ids` and `positions` in its document
+        (`migrate.common.packing`); otherwise every row is one document."""
         cfg, rules = self.config, self.config.logical_axis_rules
         x = self.token_embedder(tokens)
         x = constrain(x, axes.LOGITS_BATCH_LENGTH_EMBED, self.mesh, rules)
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        positions = packing.of_tokens(tokens, segment_ids, positions)
         if self.pipelined:
             with jax.named_scope(axes.INTO_PIPELINE):
                 x = constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)
@@ -100,7 +106,7 @@ class LayersAfterPipeline(nnx.Module):
             rngs,
         )
 
-    def __call__(self, x: jax.Array, positions: jax.Array, trace: bool = False):
+    def __call__(self, x: jax.Array, positions: packing.Positions, trace: bool = False):
         """`[B, T, E] -> ([B, T, E], aux)`; with `trace`, also every layer's output
         `[N-P, B, T, E]`."""
         cfg = self.config
@@ -108,15 +114,27 @@ class LayersAfterPipeline(nnx.Module):
         return scan_layers(self.layers, x, positions, policy, trace)
 
 
-def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Token-mean cross entropy: microbatching cannot change its scale."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+def cross_entropy_loss(
+    logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None
+) -> jax.Array:
+    """Token-mean cross entropy: microbatching cannot change its scale. With `weights` (a
+    packed batch: 0 for padding), the mean over the tokens they count."""
+    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    if weights is None:
+        return per_token.mean()
+    return jnp.sum(per_token * weights) / jnp.sum(weights)
 
 
-def training_loss(cfg: Config, logits: jax.Array, aux: jax.Array, targets: jax.Array) -> jax.Array:
-    """The loss the optimizer sees: cross entropy, plus `load_balance_loss_weight` x the
-    load-balancing loss `aux` in a model with experts."""
-    loss = cross_entropy_loss(logits, targets)
+def training_loss(
+    cfg: Config,
+    logits: jax.Array,
+    aux: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array | None = None,
+) -> jax.Array:
+    """The loss the optimizer sees: cross entropy (over the tokens `weights` counts), plus
+    `load_balance_loss_weight` x the load-balancing loss `aux` in a model with experts."""
+    loss = cross_entropy_loss(logits, targets, weights)
     if cfg.num_experts > 1:
         loss = loss + cfg.load_balance_loss_weight * aux
     return loss

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 
-from migrate.common import axes, remat, schedule, sharding
+from migrate.common import axes, packing, remat, schedule, sharding
 from migrate.config.contract import Config
 from migrate.nnx.layers import DecoderLayer, constrain
 
@@ -44,7 +44,7 @@ def stack_modules(
 
 
 def apply_layer(
-    layer: nnx.Module, x: jax.Array, positions: jax.Array
+    layer: nnx.Module, x: jax.Array, positions: packing.Positions
 ) -> tuple[jax.Array, jax.Array]:
     """One decoder layer's `(x, aux)`: what `remat_layer` rematerialises."""
     return layer(x, positions)
@@ -60,7 +60,7 @@ def remat_layer(policy: Callable | None) -> Callable:
 def scan_layers(
     layer: nnx.Module,
     x: jax.Array,
-    positions: jax.Array,
+    positions: packing.Positions,
     policy: Callable | None = None,
     trace: bool = False,
 ):
@@ -104,7 +104,7 @@ class StageLayers(nnx.Module):
             for slot in range(cfg.layers_per_stage):
                 setattr(self, f"layers_{slot}", DecoderLayer(cfg, self.mesh, rngs=rngs))
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, positions: packing.Positions) -> tuple[jax.Array, jax.Array]:
         """`(x, aux)`: aux the L layers' load-balancing losses summed."""
         cfg = self.config
         if cfg.scan_layers_per_stage:
@@ -138,7 +138,7 @@ class Pipeline(nnx.Module):
     def __call__(
         self,
         inputs: jax.Array,
-        positions: jax.Array,
+        positions: packing.Positions,
         bubble_fill: float | jax.Array = 0.0,
         trace: bool = False,
     ):
@@ -257,7 +257,7 @@ class Pipeline(nnx.Module):
         stage,
         weights,
         inputs: jax.Array,
-        positions: jax.Array,
+        positions: packing.Positions,
         bubble_fill: float | jax.Array,
         trace: bool,
     ):
@@ -270,7 +270,9 @@ class Pipeline(nnx.Module):
             mesh,
             rules,
         )
-        micro_positions = schedule.split_microbatches(positions, num_micro)
+        micro_positions = jax.tree.map(
+            lambda p: schedule.split_microbatches(p, num_micro), positions
+        )
         stage_shape = (cfg.num_stages, *micro_inputs.shape[1:])
         fill = jnp.asarray(bubble_fill, inputs.dtype)
         loop_state = {
@@ -295,7 +297,11 @@ class Pipeline(nnx.Module):
             stage_inputs = checkpoint_name(stage_inputs, axes.ITERATION_INPUT)
             stage_inputs = constrain(stage_inputs, axes.STAGE_BATCH_LENGTH_EMBED, mesh, rules)
             stage_outputs, stage_aux = self.run_stages(
-                stage, window, stage_inputs, micro_positions[micro_ids], repeat_ids - first_repeat
+                stage,
+                window,
+                stage_inputs,
+                jax.tree.map(lambda p: p[micro_ids], micro_positions),
+                repeat_ids - first_repeat,
             )
             # The schedule's one collective per iteration: outputs move one stage right. The
             # rotation wraps the last stage's output around to stage 0, which stores it locally.

@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from migrate.common import accumulation, optim
+from migrate.common import accumulation, optim, packing
 from migrate.config.contract import Config
 from migrate.nnx.decoder import Decoder, training_loss
 from migrate.nnx.decoder import param_shardings as param_shardings_of
@@ -31,8 +31,11 @@ def make_loss_fn(cfg: Config, model: nnx.GraphDef[Decoder]) -> Callable:
     `bubble_fill` (a test hook, `Pipeline.__call__`) goes to the decoder's call."""
 
     def loss_fn(params, batch, bubble_fill: float | jax.Array = 0.0):
-        logits, aux = nnx.merge(model, params)(batch["inputs"], bubble_fill)
-        return training_loss(cfg, logits, aux, batch["targets"]), (logits, aux)
+        logits, aux = nnx.merge(model, params)(
+            batch["inputs"], bubble_fill, **packing.decoder_inputs(batch)
+        )
+        loss = training_loss(cfg, logits, aux, batch["targets"], packing.loss_weights(batch))
+        return loss, (logits, aux)
 
     return loss_fn
 

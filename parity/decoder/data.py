@@ -32,7 +32,16 @@ def synthetic_batch(
         axes.BATCH_LENGTH_EMBED[:2], mesh, cfg.logical_axis_rules
     )
     inputs, targets = _tokens(seed, np.int32(step), shape, cfg.vocab_size, batch_sharding)
-    return {"inputs": inputs, "targets": targets}
+    if not cfg.packing:
+        return {"inputs": inputs, "targets": targets}
+    segments, positions = _documents(seed, np.int32(step), shape[0], shape[1] - 1, batch_sharding)
+    return {
+        "inputs": inputs,
+        "targets": targets,
+        "inputs_segmentation": segments,
+        "inputs_position": positions,
+        "targets_segmentation": segments,
+    }
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
@@ -49,3 +58,27 @@ def _tokens(
     key = jax.random.fold_in(jax.random.key(seed), step)
     tokens = jax.random.randint(key, shape, 0, vocab_size, dtype=jnp.int32)
     return jax.lax.with_sharding_constraint((tokens[:, :-1], tokens[:, 1:]), batch_sharding)
+
+
+# A packed row's documents: each token starts a new one with this probability (lengths
+# geometric, mean 4), and a row ends in up to a quarter of padding.
+DOCUMENT_START = 0.25
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _documents(
+    seed: jax.Array, step: jax.Array, rows: int, length: int, batch_sharding: NamedSharding
+) -> tuple[jax.Array, jax.Array]:
+    """(segment ids, positions) `[rows, length]` of packed rows: documents 1, 2, ... of random
+    lengths, then padding (segment 0); positions count from 0 in each document."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), 1)
+    starts_key, padding_key = jax.random.split(key)
+    starts = jax.random.bernoulli(starts_key, DOCUMENT_START, (rows, length)).at[:, 0].set(True)
+    segments = jnp.cumsum(starts, axis=1, dtype=jnp.int32)
+    padding = jax.random.randint(padding_key, (rows, 1), 0, length // 4 + 1)
+    real = jnp.arange(length)[None, :] < length - padding
+    segments = jnp.where(real, segments, 0)
+    index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length))
+    document_start = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+    positions = jnp.where(real, index - document_start, 0)
+    return jax.lax.with_sharding_constraint((segments, positions), batch_sharding)

@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from migrate.checkpoints import convert
-from migrate.common import axes, placement, schedule
+from migrate.common import axes, packing, placement, schedule
 from migrate.config.contract import Config
 from migrate.linen import decoder as linen_decoder
 from migrate.linen import layers as linen_layers
@@ -188,7 +188,7 @@ def _nnx_outer(cfg: Config, part: str, rngs: nnx.Rngs):
 @functools.cache
 def _linen_outer_fn(cfg: Config, part: str):
     if part == "loss":
-        return jax.jit(linen_decoder.cross_entropy_loss)
+        return jax.jit(_batch_loss(linen_decoder.cross_entropy_loss))
     module = _linen_outer(cfg, part)
     method = "attend" if part == "logits_via_embedding" else "__call__"
     return jax.jit(lambda params, x: module.apply({"params": params}, x, method=method))
@@ -198,10 +198,18 @@ def _linen_outer_fn(cfg: Config, part: str):
 def _nnx_outer_fn(cfg: Config, part: str, mode):
     del mode
     if part == "loss":
-        return jax.jit(nnx_decoder.cross_entropy_loss)
+        return jax.jit(_batch_loss(nnx_decoder.cross_entropy_loss))
     graphdef = _nnx_graphdef(lambda rngs: _nnx_outer(cfg, part, rngs))
     method = "attend" if part == "logits_via_embedding" else "__call__"
     return jax.jit(lambda params, x: getattr(nnx.merge(graphdef, params), method)(x))
+
+
+def _batch_loss(cross_entropy_loss):
+    """`(logits, batch) -> loss` of a twin's `cross_entropy_loss`, over the tokens a packed
+    batch counts."""
+    return lambda logits, batch: cross_entropy_loss(
+        logits, batch["targets"], packing.loss_weights(batch)
+    )
 
 
 def _abstract(create) -> nnx.State:
@@ -227,10 +235,14 @@ def stages(
         host = convert.linen_pipeline_to_reference(host, cfg)
     params, names = convert.strip_boxes(host["params"])
     boxed = convert.restore_boxes(params, names)
-    tokens, targets = batch["inputs"], batch["targets"]
-    positions = distributed.replicate(
-        np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape), mesh
+    tokens = batch["inputs"]
+    index = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+    positions = packing.Positions(
+        *distributed.replicate(
+            (batch.get("inputs_position", index), batch.get("inputs_segmentation")), mesh
+        )
     )
+    loss_batch = {k: batch[k] for k in ("targets", "targets_segmentation") if k in batch}
 
     def outer(part: str) -> DrillStage:
         if framework == "linen":
@@ -238,7 +250,7 @@ def stages(
         else:
             fn = _nnx_outer_fn(compute_cfg, part, twins.nnx_mode())
         if part == "loss":
-            return DrillStage(part, lambda logits: _captured(part, fn(logits, targets)))
+            return DrillStage(part, lambda logits: _captured(part, fn(logits, loss_batch)))
         part_params = params[_PARAMS_KEY[part]]
         if framework == "nnx":
             part_params = _as_nnx(

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from migrate.checkpoints import convert
-from migrate.common import axes, placement, sharding
+from migrate.common import axes, packing, placement, sharding
 from migrate.config.contract import Config
 from migrate.config.rules import MESH_AXES
 from migrate.linen import decoder as linen_decoder
@@ -140,7 +140,7 @@ def _pipeline_efficiency(cfg: Config, mesh: Mesh) -> PipelineEfficiency:
         plain_layer,
         one_layer_params,
         jax.ShapeDtypeStruct(x.shape, x.dtype),
-        jax.ShapeDtypeStruct(positions.shape, positions.dtype),
+        jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), positions),
     )
     reference_flops = layer_flops * cfg.base_num_decoder_layers
     reference_dots = layer_dots * cfg.base_num_decoder_layers
@@ -174,14 +174,14 @@ def _after_pipeline_flops(cfg: Config, mesh: Mesh, variables: Any) -> tuple[floa
 
 
 def _abstract_activations(cfg: Config, mesh: Mesh, names: tuple[str, ...]):
-    """The full batch's activations `[B, T, E]` and positions `[B, T]`, abstract, sharded as the
-    logical `names` (batch, length, embed) say."""
+    """The full batch's activations `[B, T, E]` and `Positions` (`[B, T]` each; segment ids
+    with `packing`), abstract, sharded as the logical `names` (batch, length, embed) say."""
     rules = cfg.logical_axis_rules
     shape = (cfg.global_batch_size, cfg.max_target_length, cfg.base_emb_dim)
     x = jax.ShapeDtypeStruct(
         shape, jnp.dtype(cfg.dtype), sharding=sharding.named_sharding(names, mesh, rules)
     )
-    positions = jax.ShapeDtypeStruct(
+    index = jax.ShapeDtypeStruct(
         shape[:2], jnp.int32, sharding=sharding.named_sharding(names[:2], mesh, rules)
     )
-    return x, positions
+    return x, packing.Positions(index, index if cfg.packing else None)

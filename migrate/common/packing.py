@@ -1,0 +1,59 @@
+"""Packed sequences (MaxText's `packing`): several documents per row, each token knowing its
+position in its document and its document's segment id (both twins).
+
+A batch of packed rows carries MaxText's keys: `inputs_position` (the position within the
+document, which the rotary embedding reads) and `inputs_segmentation` (the document's id, 1,
+2, ...; 0 is padding), and `targets_segmentation` (the loss counts the tokens whose id is not
+0). Attention lets a token see the earlier tokens of its own document only. The layers get one
+`Positions` pytree, which the pipeline splits into microbatches and indexes per stage as it
+does the activations.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Positions(NamedTuple):
+    """Where each token of `[B, T]` tokens sits: `index`, its position in its document;
+    `segment`, its document's id (0: padding), or None where every row is one document."""
+
+    index: jax.Array
+    segment: jax.Array | None = None
+
+
+def of_tokens(
+    tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+) -> Positions:
+    """The tokens' `Positions`: `positions` given, or `0 .. T-1` on every row."""
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    return Positions(positions, segment_ids)
+
+
+def attention_mask(places: Positions, length: int) -> jax.Array:
+    """Which keys each query attends to: causal `[T, T]`, or, packed, causal within each
+    document `[B, 1, 1, T, T]` (broadcast over kv heads and query groups)."""
+    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+    if places.segment is None:
+        return causal
+    same = places.segment[:, :, None] == places.segment[:, None, :]
+    return (causal & same)[:, None, None]
+
+
+def decoder_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's keyword arguments of a batch: the segment ids and positions of a packed
+    batch, nothing for an unpacked one."""
+    if "inputs_segmentation" not in batch:
+        return {}
+    return {"segment_ids": batch["inputs_segmentation"], "positions": batch["inputs_position"]}
+
+
+def loss_weights(batch: dict[str, Any]) -> jax.Array | None:
+    """1 for each target the loss counts (not padding) of a packed batch; None unpacked."""
+    if "targets_segmentation" not in batch:
+        return None
+    return (batch["targets_segmentation"] != 0).astype(jnp.float32)
