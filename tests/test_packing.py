@@ -57,7 +57,7 @@ def test_a_packed_row_holds_documents_counted_from_position_zero_then_padding(pa
 
 def test_attention_sees_the_earlier_tokens_of_its_own_document_only():
     segments = jnp.array([[1, 1, 2, 2, 0]])
-    mask = packing.attention_mask(packing.Positions(jnp.zeros_like(segments), segments), 5)
+    mask = packing.attention_mask(segments, 5)
     expected = [
         [1, 0, 0, 0, 0],
         [1, 1, 0, 0, 0],
@@ -67,7 +67,7 @@ def test_attention_sees_the_earlier_tokens_of_its_own_document_only():
     ]
     assert mask.shape == (1, 1, 1, 5, 5)
     np.testing.assert_array_equal(mask[0, 0, 0], np.array(expected, bool))
-    unpacked = packing.attention_mask(packing.Positions(jnp.zeros_like(segments)), 5)
+    unpacked = packing.attention_mask(None, 5)
     np.testing.assert_array_equal(unpacked, np.tril(np.ones((5, 5), bool)))
 
 
@@ -99,18 +99,18 @@ def test_a_document_computes_in_a_packed_row_what_it_computes_alone(packed, fram
     alone = jnp.roll(x, -first, axis=1)  # the second document first, then the rest
     if framework == "linen":
         layer = linen_layers.DecoderLayer(cfg, mesh)
-        params = layer.init(jax.random.key(0), x, packing.Positions(positions, segments))
-        run = lambda x, places: layer.apply(params, x, places)[0]
+        params = layer.init(jax.random.key(0), x, positions, segments)
+        run = lambda x, *places: layer.apply(params, x, *places)[0]
     else:
         with nnx.use_eager_sharding(False):
             module = nnx_layers.DecoderLayer(cfg, mesh, rngs=nnx.Rngs(0))
-        run = lambda x, places: module(x, places)[0]
+        run = lambda x, *places: module(x, *places)[0]
     second = slice(first, length - 2)
-    in_row = run(x, packing.Positions(positions, segments))[:, second]
-    by_itself = run(alone, packing.Positions(index))[:, : length - 2 - first]
+    in_row = run(x, positions, segments)[:, second]
+    by_itself = run(alone, index)[:, : length - 2 - first]
     # bit for bit: a masked score's exp is exactly 0, and adding zeros rounds nothing
     np.testing.assert_array_equal(in_row, by_itself)
-    crossing = run(x, packing.Positions(positions))[:, second]
+    crossing = run(x, positions)[:, second]
     assert np.abs(np.asarray(crossing - by_itself)).max() > 1e-2
 
 
@@ -128,9 +128,7 @@ def test_attention_across_documents_in_one_twin_fails_forward(tmp_path, monkeypa
     mask): forward, grads and the drill-down fail, the drill-down at layer 0's attention
     output."""
     wrong = types.SimpleNamespace(**vars(packing))
-    wrong.attention_mask = lambda places, length: packing.attention_mask(
-        packing.Positions(places.index), length
-    )
+    wrong.attention_mask = lambda segment_ids, length: packing.attention_mask(None, length)
     monkeypatch.setattr(nnx_layers, "packing", wrong)
     status, report = run_cli(tmp_path, TINY, "packing=true", "--checks=forward,grads,layers")
     assert status == cli.EXIT_FAIL

@@ -211,7 +211,8 @@ IDIOMS = (
         "Linen creates a lifted transform's weights the first time it runs",
         linen_lines=(
             r"if self\.is_initializing\(\):",
-            r"self\.layers\(inputs\[:cfg\.microbatch_size\], positions\[:cfg\.microbatch_size\]\)",
+            r"first = jax\.tree\.map\(lambda p: p\[:cfg\.microbatch_size\], positions\)",
+            r"self\.layers\(inputs\[:cfg\.microbatch_size\], first\)",
             r"return \(inputs, jnp\.zeros\(\(\)\)\)",
         ),
     ),

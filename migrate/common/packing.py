@@ -4,9 +4,10 @@ position in its document and its document's segment id (both twins).
 A batch of packed rows carries MaxText's keys: `inputs_position` (the position within the
 document, which the rotary embedding reads) and `inputs_segmentation` (the document's id, 1,
 2, ...; 0 is padding), and `targets_segmentation` (the loss counts the tokens whose id is not
-0). Attention lets a token see the earlier tokens of its own document only. The layers get one
-`Positions` pytree, which the pipeline splits into microbatches and indexes per stage as it
-does the activations.
+0). Attention lets a token see the earlier tokens of its own document only. The decoder carries
+both as one `Positions` pytree, which the pipeline splits into microbatches and indexes per
+stage as it does the activations; a decoder layer takes them as two arrays (MaxText's
+`decoder_positions`, `decoder_segment_ids`).
 """
 
 from __future__ import annotations
@@ -34,13 +35,14 @@ def of_tokens(
     return Positions(positions, segment_ids)
 
 
-def attention_mask(places: Positions, length: int) -> jax.Array:
-    """Which keys each query attends to: causal `[T, T]`, or, packed, causal within each
-    document `[B, 1, 1, T, T]` (broadcast over kv heads and query groups)."""
+def attention_mask(segment_ids: jax.Array | None, length: int) -> jax.Array:
+    """Which keys each query attends to: causal `[T, T]`, or, packed (`segment_ids` `[B, T]`),
+    causal within each document `[B, 1, 1, T, T]` (broadcast over kv heads and query
+    groups)."""
     causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-    if places.segment is None:
+    if segment_ids is None:
         return causal
-    same = places.segment[:, :, None] == places.segment[:, None, :]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
     return (causal & same)[:, None, None]
 
 

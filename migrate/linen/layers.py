@@ -168,11 +168,15 @@ class Attention(nn.Module):
         self.out = DenseGeneral((heads, head_dim), (emb,), axes.ATTENTION_OUT, cfg)
         self.rotary = RotaryEmbedding(cfg)
 
-    def __call__(self, x: jax.Array, positions: packing.Positions) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
+        """`segment_ids`: each token's document in a packed batch (`migrate.common.packing`);
+        None: every row is one document."""
         cfg = self.config
         rules = cfg.logical_axis_rules
-        query = self.rotary(self.query(x), positions.index)
-        key = self.rotary(self.key(x), positions.index)
+        query = self.rotary(self.query(x), positions)
+        key = self.rotary(self.key(x), positions)
         value = self.value(x)
         query = constrain(query, axes.BATCH_LENGTH_HEADS_KV, self.mesh, rules)
         key = constrain(key, axes.BATCH_LENGTH_KV_HEADS_KV, self.mesh, rules)
@@ -188,7 +192,7 @@ class Attention(nn.Module):
         scores = jnp.einsum(
             "btkgd,bskd->bkgts", grouped_query, key, precision=numerics.precision(cfg)
         ).astype(jnp.float32)
-        scores = jnp.where(packing.attention_mask(positions, length), scores, MASK_VALUE)
+        scores = jnp.where(packing.attention_mask(segment_ids, length), scores, MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
         context = jnp.einsum("bkgts,bskd->btkgd", probs, value, precision=numerics.precision(cfg))
         context = checkpoint_name(
@@ -301,11 +305,13 @@ class DecoderLayer(nn.Module):
         self.post_self_attention_layer_norm = RMSNorm(cfg)
         self.mlp = MoeBlock(cfg, self.mesh) if cfg.num_experts > 1 else MLP(cfg, self.mesh)
 
-    def __call__(self, x: jax.Array, positions: packing.Positions) -> tuple[jax.Array, jax.Array]:
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
         rules = self.config.logical_axis_rules
         x = checkpoint_name(x, axes.DECODER_LAYER_INPUT)
         x = constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)
-        x = x + self.self_attention(self.pre_self_attention_layer_norm(x), positions)
+        x = x + self.self_attention(self.pre_self_attention_layer_norm(x), positions, segment_ids)
         if self.config.num_experts > 1:
             mlp_out, aux = self.mlp(self.post_self_attention_layer_norm(x))
         else:

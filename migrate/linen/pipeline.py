@@ -26,7 +26,7 @@ def apply_layer(
     layer: nn.Module, x: jax.Array, positions: packing.Positions
 ) -> tuple[jax.Array, jax.Array]:
     """One decoder layer's `(x, aux)`: what `remat_layer` rematerialises."""
-    return layer(x, positions)
+    return layer(x, positions.index, positions.segment)
 
 
 def remat_layer(policy: Callable | None) -> Callable:
@@ -96,7 +96,7 @@ class StageLayers(nn.Module):
             return scan_layers(self.layers, x, positions, length, axes.LAYERS_PER_STAGE)
         aux = jnp.zeros(())
         for slot in range(cfg.layers_per_stage):
-            x, layer_aux = getattr(self, f"layers_{slot}")(x, positions)
+            x, layer_aux = getattr(self, f"layers_{slot}")(x, positions.index, positions.segment)
             aux = aux + layer_aux
         return x, aux
 

@@ -121,7 +121,12 @@ def _linen_layer_fn(cfg: Config, mesh):
 
     def apply(params, x, positions):
         out, state = layer.apply(
-            {"params": params}, x, positions, capture_intermediates=True, mutable=["intermediates"]
+            {"params": params},
+            x,
+            positions.index,
+            positions.segment,
+            capture_intermediates=True,
+            mutable=["intermediates"],
         )
         return out, state["intermediates"]
 
@@ -142,7 +147,7 @@ def _nnx_layer_fn(cfg: Config, mesh, mode):
     def apply(params, x, positions):
         layer = nnx.merge(graphdef, params)
         out, captured = nnx.capture(layer, nnx.Intermediate, method_outputs=nnx.Intermediate)(
-            x, positions
+            x, positions.index, positions.segment
         )
         return out, nnx.to_pure_dict(captured)
 

@@ -134,7 +134,7 @@ def _pipeline_efficiency(cfg: Config, mesh: Mesh) -> PipelineEfficiency:
     )
 
     def plain_layer(layer_params, x, pos):
-        return layer.apply({"params": layer_params}, x, pos)[0]
+        return layer.apply({"params": layer_params}, x, pos.index, pos.segment)[0]
 
     layer_flops, layer_dots = _compiled_flops(
         plain_layer,
@@ -167,7 +167,8 @@ def _after_pipeline_flops(cfg: Config, mesh: Mesh, variables: Any) -> tuple[floa
     def after(stacked_params, x, pos):
         for k in range(cfg.num_layers_after_pipeline):
             params = {"params": jax.tree.map(lambda w, k=k: w[k], stacked_params)}
-            x, _ = layer.apply(params, x, pos)  # (x, the layer's load-balancing loss)
+            # (x, the layer's load-balancing loss)
+            x, _ = layer.apply(params, x, pos.index, pos.segment)
         return x
 
     return _compiled_flops(after, weights, x, positions)
