@@ -176,3 +176,14 @@ def pytest_unconfigure(config):
         folder = Path(os.environ[forked.FOLDER_VARIABLE])
         forked.stop_servers(folder)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def fresh_nnx():
+    """NNX caches cleared around the test: the injected bug must be traced, and must not
+    leak into later tests."""
+    from parity.decoder import twins
+
+    twins.clear_nnx_caches()
+    yield
+    twins.clear_nnx_caches()

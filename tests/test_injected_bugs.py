@@ -20,7 +20,6 @@ import migrate.nnx.pipeline as nnx_pipeline
 import migrate.nnx.train as nnx_train
 from migrate.common import axes, numerics, remat
 from parity import cli
-from parity.decoder import twins
 
 pytestmark = pytest.mark.slow
 # The oldest stack runs one bug per check kind (`COMPAT_BUGS`, marked compat); every other bug
@@ -32,15 +31,6 @@ default_stack_only = pytest.mark.skipif(
 TINY = str(CONFIG_DIR / "llama2-tiny.yml")
 TINY_BF16 = str(CONFIG_DIR / "llama2-tiny-bf16.yml")
 TINY_TP = str(CONFIG_DIR / "llama2-tiny-tp.yml")
-
-
-@pytest.fixture
-def fresh_nnx():
-    """NNX caches cleared around the test: the injected bug must be traced, and must not
-    leak into later tests."""
-    twins.clear_nnx_caches()
-    yield
-    twins.clear_nnx_caches()
 
 
 def failing(report: dict) -> dict[str, str]:
@@ -135,10 +125,10 @@ def remat_removed(monkeypatch):
 def residual_dropped(monkeypatch):
     """The MLP residual of the decoder layer dropped."""
 
-    def call(self, x, positions):
+    def call(self, x, positions, segment_ids=None):
         rules = self.config.logical_axis_rules
         x = jax.ad_checkpoint.checkpoint_name(x, axes.DECODER_LAYER_INPUT)
-        x = x + self.self_attention(self.pre_self_attention_layer_norm(x), positions)
+        x = x + self.self_attention(self.pre_self_attention_layer_norm(x), positions, segment_ids)
         out = nnx_layers.sharding.constrain(
             self.mlp(self.post_self_attention_layer_norm(x)),
             axes.BATCH_LENGTH_EMBED,
@@ -763,7 +753,9 @@ def aux_loss_left_out_of_the_loss(monkeypatch):
     monkeypatch.setattr(
         nnx_train,
         "training_loss",
-        lambda cfg, logits, aux, targets: nnx_decoder.cross_entropy_loss(logits, targets),
+        lambda cfg, logits, aux, targets, weights=None: nnx_decoder.cross_entropy_loss(
+            logits, targets, weights
+        ),
     )
 
 

@@ -123,7 +123,7 @@ def test_the_twins_hold_parity_on_packed_batches(tmp_path):
 
 
 @pytest.mark.slow
-def test_attention_across_documents_in_one_twin_fails_forward(tmp_path, monkeypatch):
+def test_attention_across_documents_in_one_twin_fails_forward(tmp_path, monkeypatch, fresh_nnx):
     """The NNX twin's attention ignoring the segment ids (a port that dropped the packing
     mask): forward, grads and the drill-down fail, the drill-down at layer 0's attention
     output."""

@@ -24,7 +24,6 @@ import migrate.nnx.pipeline as nnx_pipeline
 from migrate.common import axes
 from migrate.errors import BadInput
 from parity import cli
-from parity.decoder import twins
 from parity.tpu import topologies
 
 needs_libtpu = pytest.mark.skipif(
@@ -209,13 +208,6 @@ def test_twins_on_two_slices_at_once(tmp_path):
 
 def report_of(folder: Path, name: str) -> dict:
     return json.loads((folder / f"{name}.json").read_text())
-
-
-@pytest.fixture
-def fresh_nnx():
-    twins.clear_nnx_caches()
-    yield
-    twins.clear_nnx_caches()
 
 
 @pytest.mark.slow

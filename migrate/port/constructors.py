@@ -214,6 +214,24 @@ class Constructors:
                 moved.append((layer.renamed.get(field, field), arg.value))
         return tuple(moved), layer.call_renamed
 
+    def example(self, x: Any) -> str | None:
+        """Source for an example input like the traced `x`: zeros of an array's shape and
+        dtype, a literal, or a tuple or named tuple of those (`packing.Positions(index=...)`);
+        None where none can be written."""
+        if hasattr(x, "shape"):
+            return f"jnp.zeros({tuple(x.shape)!r}, jnp.{x.dtype.name})"
+        if not isinstance(x, tuple):
+            return literal(x)
+        parts = [self.example(v) for v in x]
+        if None in parts:
+            return None
+        if type(x) is tuple:
+            return f"({', '.join(parts)}{',' if len(parts) == 1 else ''})"
+        name = self.class_name(type(x)) if hasattr(x, "_fields") else None
+        if name is None:
+            return None
+        return f"{name}({', '.join(f'{f}={p}' for f, p in zip(x._fields, parts, strict=True))})"
+
     def stub(self, site: src.Site, note: str, idiom: str | None = None) -> tuple[None, str]:
         """No constructor for `site`: the stub listed, and its mark."""
         idiom = idiom or f"{code_of(site.node.func)}(...)"
@@ -228,7 +246,7 @@ class Constructors:
         what = code_of(site.node.func)
         idiom = f"{what}(...) ({why})" if site.target is not None else f"{what}(...)"
         linen = self.text(site.node.with_changes(args=rw.commas(without_name(site.node))))
-        inputs = [_example(x) for x in child.inputs] if child is not None else [None]
+        inputs = [self.example(x) for x in child.inputs] if child is not None else [None]
         kwargs = (
             [f"{k}={self.literal(v)}" for k, v in child.literal_kwargs.items()] if child else []
         )
@@ -269,9 +287,3 @@ def _same(a: Any, b: Any) -> bool:
         return bool(a == b) and type(a) is type(b)
     except Exception:
         return False
-
-
-def _example(x: Any) -> str | None:
-    if not hasattr(x, "shape"):
-        return literal(x)
-    return f"jnp.zeros({tuple(x.shape)!r}, jnp.{x.dtype.name})"
