@@ -83,6 +83,7 @@ def test_the_loss_counts_real_tokens_only():
     assert packing.loss_weights({"targets": targets}) is None
 
 
+@pytest.mark.compat  # each stack's attention, rotary and masking
 @pytest.mark.parametrize("framework", ["linen", "nnx"])
 def test_a_document_computes_in_a_packed_row_what_it_computes_alone(packed, framework):
     """One decoder layer on a row packing two documents and padding: the second document's
@@ -115,6 +116,7 @@ def test_a_document_computes_in_a_packed_row_what_it_computes_alone(packed, fram
 
 
 @pytest.mark.slow
+@pytest.mark.compat
 def test_the_twins_hold_parity_on_packed_batches(tmp_path):
     status, report = run_cli(
         tmp_path, TINY, "packing=true", "--checks=forward,grads,pipeline,train,layers"

@@ -106,6 +106,7 @@ def saved_names(framework: str, cfg) -> set[str]:
     }
 
 
+@pytest.mark.compat  # each stack's checkpoint policies and saved residuals
 @pytest.mark.parametrize("framework", ["linen", "nnx"])
 @pytest.mark.parametrize(
     "config, policy, expected",
