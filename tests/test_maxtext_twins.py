@@ -179,6 +179,40 @@ def test_maxtext_0_2_5_against_the_nnx_twin_on_several_layers_per_stage_and_repe
     assert not checks["compile"]["passed"]
 
 
+def test_a_packed_maxtext_batch_holds_documents_counted_from_zero_then_padding():
+    keys = {"per_device_batch_size": 2, "max_target_length": 32, "vocab_size": 64}
+    unpacked = gate_config.batch(keys, 8, 0, 0, "train")
+    packed = gate_config.batch({**keys, "packing": True}, 8, 0, 0, "train")
+    assert np.array_equal(packed["inputs"], unpacked["inputs"])  # the same tokens
+    assert (unpacked["inputs_segmentation"] == 1).all()
+    segments, positions = packed["inputs_segmentation"], packed["inputs_position"]
+    assert np.array_equal(packed["targets_segmentation"], segments)
+    for row_segments, row_positions in zip(segments, positions, strict=True):
+        real = int((row_segments != 0).sum())
+        assert real >= 32 - 8 and not row_segments[real:].any() and row_segments[0] == 1
+        steps = np.diff(row_segments[:real])
+        assert set(steps.tolist()) <= {0, 1}
+        expected = np.concatenate([np.arange(n) for n in np.bincount(row_segments[:real])[1:]])
+        assert np.array_equal(row_positions[:real], expected)
+    assert segments.max() > 2  # several documents per row
+
+
+@needs_envs
+@pytest.mark.slow
+def test_maxtext_0_2_5_packs_sequences_as_the_twin_does(tmp_path):
+    """Packed rows (several documents, padding) through MaxText 0.2.5's pipelined decoder and
+    the NNX twin: the same logits and gradients in float32's reshaped tier, so its segment ids
+    and positions reach every microbatch's attention as the twin's do."""
+    report = tmp_path / "report.json"
+    done = run(
+        "parity", "--maxtext", str(REPO / "configs" / "maxtext" / "pp4.yml"), "packing=true",
+        "--against=twin", "--checks=forward,grads", f"--json={report}", timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    checks = {c["name"]: c for c in json.loads(report.read_text())["checks"]}
+    assert all(checks[name]["worst"]["value"] < 2e-6 for name in ("forward", "grads"))
+
+
 @pytest.mark.slow
 def test_against_is_refused_without_maxtext(capsys):
     from parity import cli

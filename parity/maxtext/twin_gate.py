@@ -204,24 +204,27 @@ class TwinSide:
 
     # ------------------------------------------------------------ running
 
-    def _logits(self, plain: Any, inputs: Any) -> Any:
-        """The twin's logits on MaxText's parameters, mapped onto its pipeline layout."""
+    def _logits(self, plain: Any, batch: Any) -> Any:
+        """The twin's logits on MaxText's parameters, mapped onto its pipeline layout; with
+        `packing`, on the batch's segment ids and positions (`migrate.common.packing`)."""
         import jax
         from flax import nnx
 
+        from migrate.common import packing
         from parity.remote import protocol
 
         flat = _flat(plain["params"])
         state = jax.tree.map(lambda x: x, self.abstract)
         nnx.replace_by_pure_dict(state, protocol.nest(self.map.forward(flat)))
-        logits, _ = nnx.merge(self.graphdef, state)(inputs)
+        packed = packing.decoder_inputs(batch) if self.cfg.packing else {}
+        logits, _ = nnx.merge(self.graphdef, state)(batch["inputs"], **packed)
         return logits
 
     def _loss(self, plain: Any, batch: Any) -> tuple[Any, Any]:
         import jax
         import jax.numpy as jnp
 
-        logits = self._logits(plain, batch["inputs"])
+        logits = self._logits(plain, batch)
         log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         xent = -jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1)[..., 0]
         mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
@@ -235,8 +238,8 @@ class TwinSide:
             (loss, logits), grads = jax.value_and_grad(self._loss, has_aux=True)(plain, batch)
             return loss, logits, grads, optax.global_norm(grads)
 
-        # kept: the positions and segment ids MaxText reads (the twin implies them), so that
-        # both programs take the same arrays
+        # kept: the positions and segment ids MaxText reads (unpacked, the twin implies them),
+        # so that both programs take the same arrays
         return jax.jit(forward_backward, keep_unused=True)
 
     def run(self, weights: Any) -> Any:
