@@ -16,7 +16,7 @@ from migrate.checkpoints import maxtext_layouts
 from migrate.checkpoints.weight_map import WeightMapError
 from migrate.common import layout
 from migrate.config.loading import SHIPPED, load_config
-from parity.maxtext import gate_config
+from parity.maxtext import gate_batch, gate_config
 
 MISSING = [s for s in gate_config.RELEASES if gate_config.default_python(s) is None]
 needs_envs = pytest.mark.skipif(
@@ -181,8 +181,8 @@ def test_maxtext_0_2_5_against_the_nnx_twin_on_several_layers_per_stage_and_repe
 
 def test_a_packed_maxtext_batch_holds_documents_counted_from_zero_then_padding():
     keys = {"per_device_batch_size": 2, "max_target_length": 32, "vocab_size": 64}
-    unpacked = gate_config.batch(keys, 8, 0, 0, "train")
-    packed = gate_config.batch({**keys, "packing": True}, 8, 0, 0, "train")
+    unpacked = gate_batch.batch(keys, 8, 0, 0, "train")
+    packed = gate_batch.batch({**keys, "packing": True}, 8, 0, 0, "train")
     assert np.array_equal(packed["inputs"], unpacked["inputs"])  # the same tokens
     assert (unpacked["inputs_segmentation"] == 1).all()
     segments, positions = packed["inputs_segmentation"], packed["inputs_position"]

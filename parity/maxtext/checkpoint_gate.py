@@ -35,7 +35,8 @@ from migrate.checkpoints import maxtext_layouts
 from parity.analysis import compare
 from parity.engine import result
 from parity.maxtext import train_worker
-from parity.maxtext.gate_config import CHECKPOINT_STEPS, MaxTextConfig, batch
+from parity.maxtext.gate_batch import batch
+from parity.maxtext.gate_config import CHECKPOINT_STEPS, MaxTextConfig
 from parity.maxtext.train_factory import LOGITS
 from parity.remote.client import WorkerSet
 from parity.reports.progress import progress

@@ -22,7 +22,8 @@ from parity.engine.pair import Pair, lm_vacuity_problems
 from parity.engine.registry import Check, Front
 from parity.engine.side import Run
 from parity.maxtext import gate_config, release_fault
-from parity.maxtext.gate_config import MaxTextConfig, batch
+from parity.maxtext.gate_batch import batch
+from parity.maxtext.gate_config import MaxTextConfig
 from parity.remote.client import WorkerError, WorkerSet
 from parity.remote.environments import Environment
 from parity.remote.proxy import RemoteSide

@@ -26,7 +26,8 @@ from typing import Any
 from migrate.errors import BadInput
 from parity.analysis import compare
 from parity.engine.registry import Check, Front
-from parity.maxtext.gate_config import MaxTextConfig, batch
+from parity.maxtext.gate_batch import batch
+from parity.maxtext.gate_config import MaxTextConfig
 from parity.maxtext.release_pair import MaxTextPair, start_side
 
 FACTORY = "parity.maxtext.twin_gate:make"
