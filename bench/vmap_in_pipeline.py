@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from migrate.common import sharding  # noqa: E402
+from migrate.common import loss, sharding  # noqa: E402
 from migrate.config.contract import Config  # noqa: E402
 from migrate.config.loading import load_config  # noqa: E402
 from migrate.nnx import decoder as nnx_decoder  # noqa: E402
@@ -81,7 +81,7 @@ def make_step(cfg: Config, mesh: Mesh, pipeline_cls: type[Pipeline]) -> Callable
 
     def loss_fn(params, batch):
         logits, _ = nnx.merge(graphdef, params)(batch["inputs"])
-        return nnx_decoder.cross_entropy_loss(logits, batch["targets"]), logits
+        return loss.cross_entropy_loss(logits, batch["targets"]), logits
 
     return jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
 

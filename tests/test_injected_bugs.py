@@ -18,7 +18,7 @@ import migrate.nnx.decoder as nnx_decoder
 import migrate.nnx.layers as nnx_layers
 import migrate.nnx.pipeline as nnx_pipeline
 import migrate.nnx.train as nnx_train
-from migrate.common import axes, numerics, remat
+from migrate.common import axes, loss, numerics, remat
 from parity import cli
 
 pytestmark = pytest.mark.slow
@@ -555,7 +555,6 @@ def tied_head_without_gradient(monkeypatch):
 def untied_head_on_one_side(monkeypatch):
     """The NNX decoder ignores `logits_via_embedding`: it builds (and uses) its own
     `logits_dense` head where Linen ties the head to the embedding."""
-    import migrate.nnx.decoder as nnx_decoder
 
     original = nnx_decoder.Decoder.__init__
 
@@ -602,7 +601,6 @@ def mesh_without_slices(monkeypatch):
     """The NNX decoder built and placed on `jax.make_mesh(ici x dcn sizes)`."""
     from jax.sharding import AxisType
 
-    import migrate.nnx.decoder as nnx_decoder
     from migrate.config.rules import MESH_AXES
 
     original = nnx_decoder.init_model
@@ -698,7 +696,6 @@ TINY_SUBSET = str(CONFIG_DIR / "llama2-tiny-subset.yml")
 def remainder_rows_reversed(monkeypatch):
     """The NNX twin runs the layers after the pipeline with their rows mapped backwards:
     layer 8 computed with layer 9's weights and the other way round."""
-    import migrate.nnx.decoder as nnx_decoder
 
     def reversed_rows(self, x, positions, trace=False):
         graphdef, state = nnx.split(self.layers)
@@ -753,7 +750,7 @@ def aux_loss_left_out_of_the_loss(monkeypatch):
     monkeypatch.setattr(
         nnx_train,
         "training_loss",
-        lambda cfg, logits, aux, targets, weights=None: nnx_decoder.cross_entropy_loss(
+        lambda cfg, logits, aux, targets, weights=None: loss.cross_entropy_loss(
             logits, targets, weights
         ),
     )

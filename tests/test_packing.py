@@ -13,9 +13,8 @@ import pytest
 from conftest import CONFIG_DIR, run_cli, tiny
 from flax import nnx
 
-from migrate.common import packing, sharding
+from migrate.common import loss, packing, sharding
 from migrate.linen import layers as linen_layers
-from migrate.nnx import decoder as nnx_decoder
 from migrate.nnx import layers as nnx_layers
 from parity import cli
 from parity.decoder import data
@@ -78,7 +77,7 @@ def test_the_loss_counts_real_tokens_only():
     per_token = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
     expected = (per_token[0, :3].sum() + per_token[1, 0]) / 4
     np.testing.assert_allclose(
-        nnx_decoder.cross_entropy_loss(logits, targets, weights), expected, rtol=1e-6
+        loss.cross_entropy_loss(logits, targets, weights), expected, rtol=1e-6
     )
     assert packing.loss_weights({"targets": targets}) is None
 

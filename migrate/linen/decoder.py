@@ -1,4 +1,5 @@
-"""Linen decoder (the original): embedding, pipelined or scanned layers, final norm, logits, loss.
+"""Linen decoder (the original): embedding, pipelined or scanned layers, final norm, logits
+(its loss, the same for both twins: `migrate.common.loss`).
 
 Twin of `migrate/nnx/decoder.py`.
 """
@@ -9,7 +10,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding
 
 from migrate.common import axes, packing, placement, remat, sharding
@@ -106,32 +106,6 @@ class LayersAfterPipeline(nn.Module):
         return scan_layers(
             self.layers, x, positions, length, axes.LAYERS_AFTER_PIPELINE, policy, trace
         )
-
-
-def cross_entropy_loss(
-    logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None
-) -> jax.Array:
-    """Token-mean cross entropy: microbatching cannot change its scale. With `weights` (a
-    packed batch: 0 for padding), the mean over the tokens they count."""
-    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    if weights is None:
-        return per_token.mean()
-    return jnp.sum(per_token * weights) / jnp.sum(weights)
-
-
-def training_loss(
-    cfg: Config,
-    logits: jax.Array,
-    aux: jax.Array,
-    targets: jax.Array,
-    weights: jax.Array | None = None,
-) -> jax.Array:
-    """The loss the optimizer sees: cross entropy (over the tokens `weights` counts), plus
-    `load_balance_loss_weight` x the load-balancing loss `aux` in a model with experts."""
-    loss = cross_entropy_loss(logits, targets, weights)
-    if cfg.num_experts > 1:
-        loss = loss + cfg.load_balance_loss_weight * aux
-    return loss
 
 
 def param_shardings(abstract: dict, mesh: Mesh, cfg: Config) -> dict:

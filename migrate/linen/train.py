@@ -18,8 +18,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from migrate.common import accumulation, optim, packing
+from migrate.common.loss import training_loss
 from migrate.config.contract import Config
-from migrate.linen.decoder import Decoder, training_loss
+from migrate.linen.decoder import Decoder
 from migrate.linen.decoder import param_shardings as param_shardings_of
 
 

@@ -1,4 +1,5 @@
-"""NNX decoder (the port): embedding, pipelined or scanned layers, final norm, logits, loss.
+"""NNX decoder (the port): embedding, pipelined or scanned layers, final norm, logits
+(its loss, the same for both twins: `migrate.common.loss`).
 
 Twin of `migrate/linen/decoder.py`.
 """
@@ -8,7 +9,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
@@ -112,32 +112,6 @@ class LayersAfterPipeline(nnx.Module):
         cfg = self.config
         policy = remat.layer_policy(cfg)
         return scan_layers(self.layers, x, positions, policy, trace)
-
-
-def cross_entropy_loss(
-    logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None
-) -> jax.Array:
-    """Token-mean cross entropy: microbatching cannot change its scale. With `weights` (a
-    packed batch: 0 for padding), the mean over the tokens they count."""
-    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    if weights is None:
-        return per_token.mean()
-    return jnp.sum(per_token * weights) / jnp.sum(weights)
-
-
-def training_loss(
-    cfg: Config,
-    logits: jax.Array,
-    aux: jax.Array,
-    targets: jax.Array,
-    weights: jax.Array | None = None,
-) -> jax.Array:
-    """The loss the optimizer sees: cross entropy (over the tokens `weights` counts), plus
-    `load_balance_loss_weight` x the load-balancing loss `aux` in a model with experts."""
-    loss = cross_entropy_loss(logits, targets, weights)
-    if cfg.num_experts > 1:
-        loss = loss + cfg.load_balance_loss_weight * aux
-    return loss
 
 
 def param_shardings(abstract: nnx.State, mesh: Mesh, cfg: Config) -> nnx.State:

@@ -20,8 +20,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from migrate.common import accumulation, optim, packing
+from migrate.common.loss import training_loss
 from migrate.config.contract import Config
-from migrate.nnx.decoder import Decoder, training_loss
+from migrate.nnx.decoder import Decoder
 from migrate.nnx.decoder import param_shardings as param_shardings_of
 
 

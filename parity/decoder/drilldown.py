@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from migrate.checkpoints import convert
-from migrate.common import axes, packing, placement, schedule
+from migrate.common import axes, loss, packing, placement, schedule
 from migrate.config.contract import Config
 from migrate.linen import decoder as linen_decoder
 from migrate.linen import layers as linen_layers
@@ -193,7 +193,7 @@ def _nnx_outer(cfg: Config, part: str, rngs: nnx.Rngs):
 @functools.cache
 def _linen_outer_fn(cfg: Config, part: str):
     if part == "loss":
-        return jax.jit(_batch_loss(linen_decoder.cross_entropy_loss))
+        return jax.jit(_batch_loss)
     module = _linen_outer(cfg, part)
     method = "attend" if part == "logits_via_embedding" else "__call__"
     return jax.jit(lambda params, x: module.apply({"params": params}, x, method=method))
@@ -203,18 +203,16 @@ def _linen_outer_fn(cfg: Config, part: str):
 def _nnx_outer_fn(cfg: Config, part: str, mode):
     del mode
     if part == "loss":
-        return jax.jit(_batch_loss(nnx_decoder.cross_entropy_loss))
+        return jax.jit(_batch_loss)
     graphdef = _nnx_graphdef(lambda rngs: _nnx_outer(cfg, part, rngs))
     method = "attend" if part == "logits_via_embedding" else "__call__"
     return jax.jit(lambda params, x: getattr(nnx.merge(graphdef, params), method)(x))
 
 
-def _batch_loss(cross_entropy_loss):
-    """`(logits, batch) -> loss` of a twin's `cross_entropy_loss`, over the tokens a packed
-    batch counts."""
-    return lambda logits, batch: cross_entropy_loss(
-        logits, batch["targets"], packing.loss_weights(batch)
-    )
+def _batch_loss(logits: jax.Array, batch: dict) -> jax.Array:
+    """The decoder's cross entropy of `logits` (both twins'), over the tokens a packed batch
+    counts."""
+    return loss.cross_entropy_loss(logits, batch["targets"], packing.loss_weights(batch))
 
 
 def _abstract(create) -> nnx.State:
