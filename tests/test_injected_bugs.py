@@ -117,9 +117,9 @@ def microbatches_out_of_order(monkeypatch):
 
 def remat_removed(monkeypatch):
     """The pipeline iteration body no longer checkpointed."""
-    no_remat = types.SimpleNamespace(**vars(remat))
-    no_remat.iteration_policy = lambda cfg: None
-    monkeypatch.setattr(nnx_pipeline, "remat", no_remat)
+    no_remat = types.SimpleNamespace(**vars(jax))
+    no_remat.checkpoint = lambda fun, **_: fun
+    monkeypatch.setattr(nnx_pipeline, "jax", no_remat)
 
 
 def residual_dropped(monkeypatch):

@@ -202,8 +202,8 @@ class Pipeline(nnx.Module):
             step = functools.partial(iteration, window, start)
             return schedule.iterate(step, state, b * num_micro, count, scanned)
 
-        policy = remat.iteration_policy(cfg)
-        if cfg.set_remat_policy_on_pipeline_iterations and policy is not None:
+        if cfg.set_remat_policy_on_pipeline_iterations:
+            policy = remat.iteration_policy(cfg)
             block = jax.checkpoint(block, policy=policy, prevent_cse=not scanned, static_argnums=0)
         repeats = cfg.num_repeats
         if scanned:
@@ -320,8 +320,8 @@ class Pipeline(nnx.Module):
             }
             return new_state, (stage_outputs if trace else None)
 
-        policy = remat.iteration_policy(cfg)
-        if cfg.set_remat_policy_on_pipeline_iterations and policy is not None:
+        if cfg.set_remat_policy_on_pipeline_iterations:
+            policy = remat.iteration_policy(cfg)
             iteration = jax.checkpoint(
                 iteration, policy=policy, prevent_cse=not cfg.scan_pipeline_iterations
             )
