@@ -26,6 +26,29 @@ class Positions(NamedTuple):
     segment: jax.Array | None = None
 
 
+# The synthetic data's documents: each token starts a new one with this probability (lengths
+# geometric, mean 4), and a row ends in 0 to a quarter of its length of padding.
+DOCUMENT_START = 0.25
+
+
+def max_padding(length: int) -> int:
+    """The most padding tokens a synthetic packed row of `length` tokens ends in."""
+    return length // 4
+
+
+def documents(starts: Any, padding: Any, xp: Any = jnp) -> tuple[Any, Any]:
+    """(segment ids, positions) `[rows, T]` of packed rows, from where their documents start
+    (`starts`, bool `[rows, T]`, column 0 True) and the padding each ends in (`[rows, 1]`):
+    documents 1, 2, ..., then padding (segment 0); positions count from 0 in each document.
+    `xp=numpy` computes them on the host (the MaxText gate's batch)."""
+    length = starts.shape[1]
+    index = xp.broadcast_to(xp.arange(length, dtype=xp.int32), starts.shape)
+    real = index < length - padding
+    segments = xp.cumsum(starts, axis=1, dtype=xp.int32)
+    document_start = xp.maximum.accumulate(xp.where(starts, index, 0), axis=1)
+    return xp.where(real, segments, 0), xp.where(real, index - document_start, 0)
+
+
 def of_tokens(
     tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
 ) -> Positions:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from migrate.common import axes, sharding
+from migrate.common import axes, packing, sharding
 from migrate.config.contract import Config
 
 SPLIT_SALT = {"train": 1_000_003, "eval": 2_000_003}
@@ -60,25 +60,15 @@ def _tokens(
     return jax.lax.with_sharding_constraint((tokens[:, :-1], tokens[:, 1:]), batch_sharding)
 
 
-# A packed row's documents: each token starts a new one with this probability (lengths
-# geometric, mean 4), and a row ends in up to a quarter of padding.
-DOCUMENT_START = 0.25
-
-
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
 def _documents(
     seed: jax.Array, step: jax.Array, rows: int, length: int, batch_sharding: NamedSharding
 ) -> tuple[jax.Array, jax.Array]:
-    """(segment ids, positions) `[rows, length]` of packed rows: documents 1, 2, ... of random
-    lengths, then padding (segment 0); positions count from 0 in each document."""
+    """(segment ids, positions) `[rows, length]` of packed rows (`packing.documents`),
+    their documents and padding drawn from (seed, step)."""
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), 1)
     starts_key, padding_key = jax.random.split(key)
-    starts = jax.random.bernoulli(starts_key, DOCUMENT_START, (rows, length)).at[:, 0].set(True)
-    segments = jnp.cumsum(starts, axis=1, dtype=jnp.int32)
-    padding = jax.random.randint(padding_key, (rows, 1), 0, length // 4 + 1)
-    real = jnp.arange(length)[None, :] < length - padding
-    segments = jnp.where(real, segments, 0)
-    index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length))
-    document_start = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
-    positions = jnp.where(real, index - document_start, 0)
-    return jax.lax.with_sharding_constraint((segments, positions), batch_sharding)
+    starts = jax.random.bernoulli(starts_key, packing.DOCUMENT_START, (rows, length))
+    padding = jax.random.randint(padding_key, (rows, 1), 0, packing.max_padding(length) + 1)
+    packed = packing.documents(starts.at[:, 0].set(True), padding)
+    return jax.lax.with_sharding_constraint(packed, batch_sharding)

@@ -31,16 +31,11 @@ def batch(keys: dict[str, Any], devices: int, seed: int, step: int, split: str) 
 
 
 def packed_rows(rng: np.random.Generator, rows: int, length: int) -> tuple[np.ndarray, ...]:
-    """(segment ids, positions) `[rows, length]` of packed rows, as the twins' synthetic data
-    packs them (`parity.decoder.data`): documents 1, 2, ... of geometric lengths (a token
-    starts one with probability 1/4), then 0 to length/4 tokens of padding (segment 0);
-    positions count from 0 in each document."""
-    starts = rng.random((rows, length)) < 0.25
+    """(segment ids, positions) `[rows, length]` of packed rows, drawn as the twins' synthetic
+    data draws them (`migrate.common.packing.documents`, on the host)."""
+    from migrate.common import packing  # JAX only for a packed batch
+
+    starts = rng.random((rows, length)) < packing.DOCUMENT_START
     starts[:, 0] = True
-    segments = np.cumsum(starts, axis=1, dtype=np.int32)
-    padding = rng.integers(0, length // 4 + 1, size=(rows, 1))
-    real = np.arange(length)[None, :] < length - padding
-    index = np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length))
-    start = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
-    positions = np.where(real, index - start, 0).astype(np.int32)
-    return np.where(real, segments, 0).astype(np.int32), positions
+    padding = rng.integers(0, packing.max_padding(length) + 1, size=(rows, 1))
+    return packing.documents(starts, padding, xp=np)
