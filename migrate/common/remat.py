@@ -1,8 +1,9 @@
 """Remat policies by MaxText's names and meanings (both twins).
 
-The layers tag their tensors with MaxText's checkpoint names (`TAGS`); a policy names which
-tags the backward pass keeps on the device, which it offloads to pinned host memory, and
-rematerialises the rest. As in MaxText 0.2.5 (`get_remat_policy`, `get_pipeline_remat_policy`):
+The layers tag their tensors with MaxText's checkpoint names (the constants below); a policy
+names which tags the backward pass keeps on the device, which it offloads to pinned host
+memory, and rematerialises the rest. As in MaxText 0.2.5 (`get_remat_policy`,
+`get_pipeline_remat_policy`):
 
 - a decoder layer outside the pipeline (the reference decoder, the layers after a pipelined
   subset) is always checkpointed with `layer_policy`; `full` and `none` both save nothing
