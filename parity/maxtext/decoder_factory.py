@@ -18,9 +18,12 @@ Options: `framework` (`linen`, `nnx`: a pure decoder of that kind, else `make` r
 injected bug).
 Imports MaxText only inside `make` (the harness imports this module's name, never MaxText).
 
-Longer than 500 lines: the side and the capture its `layers` drill-down runs (`_Recorder`)
-are one job, served in the release's environment by one worker; the capture wraps the very
-modules this side builds, under its mesh and rules.
+The capture its `layers` drill-down runs: `parity.maxtext.call_recorder`.
+
+Longer than 500 lines: `MaxTextSide` is one release's decoder serving every request the gate
+sends its worker (run, layers, programs, trainer, weights in and out), each on the decoder,
+mesh and rules this module builds from MaxText's config; split, each part would reach back
+into the others' state.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import re
 from importlib import metadata
 from typing import Any
 
+from parity.maxtext.call_recorder import CallRecorder
 from parity.remote import protocol
 from parity.remote.worker import first_line
 
@@ -476,7 +480,7 @@ class MaxTextSide:
     def captures(self, weights_file: str) -> tuple[dict[tuple[str, ...], Any], dict[str, Any]]:
         """The forward pass on the weights in `weights_file` (an `.npz` of the common form's
         plain arrays, keyed by `/`-joined path), every module call's output captured
-        (`_Recorder`), in the order the program ran them: (arrays keyed `(module path, call
+        (`CallRecorder`), in the order the program ran them: (arrays keyed `(module path, call
         index, leaf)`, `{"order": [module path, ...]}` in first-call order). The logits come
         as `("logits", "0", "0")`."""
 
@@ -490,7 +494,7 @@ class MaxTextSide:
         import numpy as np
 
         plain = self._plain_params(self.from_common(protocol.nest(flat)))
-        recorder = _Recorder(self.framework)
+        recorder = CallRecorder(self.framework)
         with recorder, self._context():
             logits = jax.jit(lambda p, b: self._call(p, b)[0])(plain, self.batch)
             logits = np.asarray(jax.device_get(logits))
@@ -506,157 +510,6 @@ class MaxTextSide:
 
     def jaxpr(self, weights: Any) -> Any:
         return None
-
-
-class _Recorder:
-    """Every module call's output during a trace, by module path, recorded when the program
-    runs (`jax.debug.callback`: inside MaxText's pipeline loops and its vmap over stages, one
-    call per stage per iteration, in that order). The path is Linen's scope path for a Linen
-    module (`nn.intercept_methods`; 0.2.3's decoder and pipeline) and, for an NNX module, its
-    parent's path plus the attribute that holds it (every `maxtext` NNX class's `__call__`
-    wrapped while recording): the parameter paths both releases share. A module the pipeline
-    rebuilds from its graph (a copy) is named by the parent's attribute of its type."""
-
-    def __init__(self, framework: str) -> None:
-        self.framework = framework
-        self.calls: dict[str, list[list[Any]]] = {}
-        # (path, the module, its Linen scope root's path) of the calls in progress
-        self._stack: list[tuple[str, Any, str]] = []
-        self._undo: list[Any] = []
-
-    def __enter__(self) -> _Recorder:
-        import flax.linen as nn
-        from flax import nnx
-
-        for cls in _subclasses(nnx.Module):
-            if cls.__module__.startswith("maxtext.") and "__call__" in cls.__dict__:
-                original = cls.__dict__["__call__"]
-                cls.__call__ = self._wrapped(original)
-                self._undo.append((cls, original))
-        if self.framework == "linen":
-            self._intercept = nn.intercept_methods(self._linen_call)
-            self._intercept.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for cls, original in reversed(self._undo):
-            cls.__call__ = original
-        if self.framework == "linen":
-            self._intercept.__exit__(*exc)
-
-    def _record(self, path: str, out: Any) -> None:
-        import jax
-        import numpy as np
-
-        leaves = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
-        if not leaves or not path or _in_scan_broadcast_pass():
-            return
-        self.calls.setdefault(path, [])
-        sink = lambda *xs: self.calls[path].append([np.asarray(x) for x in xs])
-        jax.debug.callback(sink, *leaves)
-
-    def _linen_call(self, next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
-        module = context.module
-        bridged = any(c.__name__ == "ToLinen" for c in type(module).__mro__)
-        if context.method_name != "__call__":
-            return next_fun(*args, **kwargs)
-        # A module applied in a scope of its own (the pipeline's stages: `layers.apply`)
-        # roots its submodules' scope paths: they continue that module's path.
-        root = next((r for _, m, r in reversed(self._stack) if not _is_nnx(m)), "")
-        path = "/".join([root, *map(str, module.path)]).strip("/")
-        if not module.path and self._stack:
-            root = f"{self._stack[-1][0]}/{module.name or type(module).__name__}".lstrip("/")
-            path = root
-        self._stack.append((path, module, root))
-        try:
-            out = next_fun(*args, **kwargs)
-        finally:
-            self._stack.pop()
-        if not bridged:  # a bridged NNX module records itself, under this path
-            self._record(path, out)
-        return out
-
-    def _nnx_path(self, module: Any) -> str:
-        from flax import nnx
-
-        if not self._stack:
-            return ""
-        parent_path, parent, _ = self._stack[-1]
-        if not isinstance(parent, nnx.Module):
-            return parent_path  # the NNX module inside a Linen bridge: the bridge's path
-        for path, above, _ in reversed(self._stack):  # a module passed down (a shared embedding)
-            if isinstance(above, nnx.Module):
-                for name, child in _children(above):
-                    if child is module:
-                        return f"{path}/{name}".lstrip("/")
-        by_type = []
-        for name, child in _children(parent):
-            if type(child) is type(module):
-                by_type.append(name)
-        if len(by_type) == 1:
-            return f"{parent_path}/{by_type[0]}".lstrip("/")
-        return f"{parent_path}/{type(module).__name__}".lstrip("/")
-
-    def _wrapped(self, original: Any) -> Any:
-        recorder = self
-
-        def call(module: Any, *args: Any, **kwargs: Any) -> Any:
-            path = recorder._nnx_path(module)
-            recorder._stack.append((path, module, ""))
-            try:
-                out = original(module, *args, **kwargs)
-            finally:
-                recorder._stack.pop()
-            recorder._record(path, out)
-            return out
-
-        return call
-
-
-def _in_scan_broadcast_pass() -> bool:
-    """Whether Linen's `nn.scan` is tracing its body to find what it broadcasts (flax's
-    `axes_scan`, `body_fn(..., init_mode=True)`): a callback there would be a dependency of
-    the broadcast values on the body, which flax refuses; the body's real trace records."""
-    import sys
-
-    frame = sys._getframe(2)
-    while frame is not None:
-        code = frame.f_code
-        in_flax_scan = code.co_name == "body_fn" and code.co_filename.endswith("axes_scan.py")
-        if in_flax_scan and frame.f_locals.get("init_mode"):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _is_nnx(module: Any) -> bool:
-    from flax import nnx
-
-    return isinstance(module, nnx.Module)
-
-
-def _subclasses(cls: type) -> list[type]:
-    out, todo = [], [cls]
-    while todo:
-        for sub in todo.pop().__subclasses__():
-            if sub not in out:
-                out.append(sub)
-                todo.append(sub)
-    return out
-
-
-def _children(module: Any) -> list[tuple[str, Any]]:
-    """An NNX module's direct submodules by attribute (a list's or dict's items as `name/key`)."""
-    from flax import nnx
-
-    out = []
-    for name, value in vars(module).items():
-        if isinstance(value, nnx.Module):
-            out.append((name, value))
-        elif isinstance(value, list | tuple | dict):
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            out += [(f"{name}/{k}", v) for k, v in items if isinstance(v, nnx.Module)]
-    return out
 
 
 @contextlib.contextmanager
