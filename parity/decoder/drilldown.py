@@ -193,7 +193,7 @@ def _nnx_outer(cfg: Config, part: str, rngs: nnx.Rngs):
 @functools.cache
 def _linen_outer_fn(cfg: Config, part: str):
     if part == "loss":
-        return jax.jit(_batch_loss)
+        return jax.jit(cross_entropy_loss)
     module = _linen_outer(cfg, part)
     method = "attend" if part == "logits_via_embedding" else "__call__"
     return jax.jit(lambda params, x: module.apply({"params": params}, x, method=method))
@@ -203,15 +203,15 @@ def _linen_outer_fn(cfg: Config, part: str):
 def _nnx_outer_fn(cfg: Config, part: str, mode):
     del mode
     if part == "loss":
-        return jax.jit(_batch_loss)
+        return jax.jit(cross_entropy_loss)
     graphdef = _nnx_graphdef(lambda rngs: _nnx_outer(cfg, part, rngs))
     method = "attend" if part == "logits_via_embedding" else "__call__"
     return jax.jit(lambda params, x: getattr(nnx.merge(graphdef, params), method)(x))
 
 
-def _batch_loss(logits: jax.Array, batch: dict) -> jax.Array:
-    """The decoder's cross entropy of `logits` (both twins'), over the tokens a packed batch
-    counts."""
+def cross_entropy_loss(logits: jax.Array, batch: dict) -> jax.Array:
+    """The decoder's cross entropy of `logits` on `batch`'s targets (both twins'), over the
+    tokens a packed batch counts: the drill-down's `loss` part, a program of that name."""
     return loss.cross_entropy_loss(logits, batch["targets"], packing.loss_weights(batch))
 
 
