@@ -139,8 +139,8 @@ def summed_not_averaged(monkeypatch) -> None:
     def value_and_grad(loss_fn, steps):
         accumulated = original(loss_fn, steps)
 
-        def summed(params, batch):
-            (loss, (outputs, aux)), grads = accumulated(params, batch)
+        def summed(params, batch, dropout_keys=None):
+            (loss, (outputs, aux)), grads = accumulated(params, batch, dropout_keys)
             return (loss * steps, (outputs, aux)), jax.tree.map(lambda g: g * steps, grads)
 
         return summed

@@ -125,7 +125,7 @@ def remat_removed(monkeypatch):
 def residual_dropped(monkeypatch):
     """The MLP residual of the decoder layer dropped."""
 
-    def call(self, x, positions, segment_ids=None):
+    def call(self, x, positions, segment_ids=None, dropout_keys=None):
         rules = self.config.logical_axis_rules
         x = jax.ad_checkpoint.checkpoint_name(x, axes.DECODER_LAYER_INPUT)
         x = x + self.self_attention(self.pre_self_attention_layer_norm(x), positions, segment_ids)
@@ -138,6 +138,14 @@ def residual_dropped(monkeypatch):
         return out, jnp.zeros(())  # (x, the dense layer's load-balancing loss)
 
     monkeypatch.setattr(nnx_layers.DecoderLayer, "__call__", call)
+
+
+def dropout_keys_shared_by_layers(monkeypatch):
+    """Every layer of the NNX twin drops with its rows' keys as they are, the layer's index
+    never folded in: each layer draws the same masks (an RNG stream split once, not per layer)."""
+    wrong = types.SimpleNamespace(**vars(nnx_pipeline.dropout))
+    wrong.at_layer = lambda positions, layer: positions
+    monkeypatch.setattr(nnx_pipeline, "dropout", wrong)
 
 
 def optimizer_skips_one_parameter(monkeypatch):
@@ -355,6 +363,13 @@ BUGS = [
         TINY,
         "forward,grads",
         {"forward": "logits", "grads": "grads/params/", "layers": "layer 0/output"},
+    ),
+    (
+        dropout_keys_shared_by_layers,
+        TINY,
+        "forward,random",
+        {"forward": "logits", "random": "decoder/draws"},
+        ("dropout_rate=0.1",),
     ),
     (
         optimizer_skips_one_parameter,

@@ -51,6 +51,7 @@ OUT_OF_BOUNDS = [
     ("dtype=float64", "dtype='float64': must be one of ['float32', 'bfloat16'"),
     ("weight_dtype=int8", "weight_dtype='int8': must be one of"),
     ("matmul_precision=best", "matmul_precision='best': must be one of"),
+    ("dropout_rate=0.1", "dropout_rate=0.1: the MaxText gate compares deterministic runs"),
 ]
 
 

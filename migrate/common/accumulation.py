@@ -14,6 +14,7 @@ it is not the whole batch's (routing statistics are per batch).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -33,29 +34,45 @@ def split_batch(batch: Any, steps: int) -> Any:
 
 
 def value_and_grad(loss_fn: Callable, steps: int) -> Callable:
-    """`(params, batch) -> ((loss, (outputs, aux)), grads)`, what
+    """`(params, batch, dropout_keys=None) -> ((loss, (outputs, aux)), grads)`, what
     `jax.value_and_grad(loss_fn, has_aux=True)` gives, over `steps` accumulated batches:
     loss, aux and gradients averaged over them (`outputs` None: no step returns its logits).
-    `loss_fn(params, batch) -> (loss, (outputs, aux))`. One step: `jax.value_and_grad` itself,
-    the program unchanged."""
+    `loss_fn(params, batch, dropout_keys=...) -> (loss, (outputs, aux))`; the rows' dropout
+    keys are split with their rows. One step: `jax.value_and_grad` itself, the program
+    unchanged."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    if steps == 1:
-        return grad_fn
 
-    def accumulated(params: Any, batch: Any) -> tuple[tuple[jax.Array, Any], Any]:
+    def grads_of(params: Any, batch: Any, dropout_keys: jax.Array | None) -> Any:
+        if dropout_keys is None:  # a loss without dropout need not take the keys
+            return grad_fn(params, batch)
+        return grad_fn(params, batch, dropout_keys=dropout_keys)
+
+    if steps == 1:
+
+        @functools.wraps(grad_fn)  # the program keeps the loss's name
+        def one_step(params: Any, batch: Any, dropout_keys: jax.Array | None = None) -> Any:
+            return grads_of(params, batch, dropout_keys)
+
+        return one_step
+
+    def accumulated(
+        params: Any, batch: Any, dropout_keys: jax.Array | None = None
+    ) -> tuple[tuple[jax.Array, Any], Any]:
         parts = split_batch(batch, steps)
+        part_keys = None if dropout_keys is None else split_batch(dropout_keys, steps)
         first = jax.tree.map(lambda x: x[0], parts)
         (loss_shape, (_, aux_shape)), grad_shape = jax.eval_shape(grad_fn, params, first)
         zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
 
-        def accumulate(sums: tuple, part: Any) -> tuple[tuple, None]:
+        def accumulate(sums: tuple, part_and_keys: tuple) -> tuple[tuple, None]:
             loss_sum, aux_sum, grad_sum = sums
-            (loss, (_, aux)), grads = grad_fn(params, part)
+            part, keys = part_and_keys
+            (loss, (_, aux)), grads = grads_of(params, part, keys)
             add = lambda total, x: jax.tree.map(jnp.add, total, x)
             return (loss_sum + loss, add(aux_sum, aux), add(grad_sum, grads)), None
 
         start = (zeros(loss_shape), zeros(aux_shape), zeros(grad_shape))
-        (loss_sum, aux_sum, grad_sum), _ = jax.lax.scan(accumulate, start, parts)
+        (loss_sum, aux_sum, grad_sum), _ = jax.lax.scan(accumulate, start, (parts, part_keys))
         mean = lambda tree: jax.tree.map(lambda x: x / steps, tree)
         return (loss_sum / steps, (None, mean(aux_sum))), mean(grad_sum)
 

@@ -145,6 +145,18 @@ IDIOMS = (
         nnx_lines=(r"return sharding\.constrain\(x, names, mesh, rules\) if rules else x",),
     ),
     Idiom(
+        "dropout with a raw key",
+        "`nn.Dropout(rate, broadcast_dims=...)`, called `(x, deterministic=False, rng=key)`",
+        "`nnx.Dropout(rate, broadcast_dims=...)`, called `(x, deterministic=False, rngs=key)`",
+        "given the same raw key, both draw the same mask; by stream they never would (Linen's "
+        "`make_rng` folds in the module path, an `nnx.Rngs` stream its call count), so the "
+        "twins key every mask themselves (`migrate.common.dropout`: per row, layer and site)",
+        rewrites=(
+            ("linen", r"\bnn\.Dropout\(", "nnx.Dropout("),
+            ("linen", r"\brng=key\)", "rngs=key)"),
+        ),
+    ),
+    Idiom(
         "remat",
         "`nn.remat(apply_layer, policy=..., prevent_cse=False)`",
         "`nnx.remat(apply_layer, policy=..., prevent_cse=False)`",
@@ -181,16 +193,21 @@ IDIOMS = (
         ),
         linen_lines=(
             r"length = cfg\.\w+",
-            r"def body\(module, carry, pos\):",
-            r"y, aux = call\(module, carry\[0\], pos\)",
+            r"def body\(module, carry, pos, layer_id\):",
+            r"y, aux = call\(module, carry\[0\], dropout\.at_layer\(pos, layer_id\)\)",
             r"scanned = nn\.scan\(body, .+\)",
-            r"\(x, aux\), outputs = scanned\(layer, \(x, jnp\.zeros\(\(\)\)\), positions\)",
+            r"\(x, aux\), outputs = scanned\(layer, \(x, jnp\.zeros\(\(\)\)\), positions, "
+            r"layer_ids\)",
         ),
         nnx_lines=(
             r"graphdef, state = nnx\.split\(layer\)",
-            r"def body\(carry, layer_state\):",
-            r"y, aux = call\(nnx\.merge\(graphdef, layer_state\), carry\[0\], positions\)",
-            r"\(x, aux\), outputs = jax\.lax\.scan\(body, \(x, jnp\.zeros\(\(\)\)\), state\)",
+            r"def body\(carry, xs\):",
+            r"layer_state, layer_id = xs",
+            r"pos = dropout\.at_layer\(positions, layer_id\)",
+            r"y, aux = call\(nnx\.merge\(graphdef, layer_state\), carry\[0\], pos\)",
+            r"length = jax\.tree\.leaves\(state\)\[0\]\.shape\[0\]",
+            r"\(x, aux\), outputs = jax\.lax\.scan\(body, \(x, jnp\.zeros\(\(\)\)\), "
+            r"\(state, layer_ids\)\)",
         ),
         scopes=("stack_modules",),
     ),

@@ -55,3 +55,9 @@ def state_shardings(
 
     jax.eval_shape(under_a_trace)
     return mapped[0]
+
+
+def step_count(opt_state: Any) -> jax.Array:
+    """The optimizer steps taken so far: AdamW's step count in `opt_state` (0 before the first
+    step; a checkpoint of the state carries it)."""
+    return optax.tree_utils.tree_get(opt_state, "count")

@@ -19,11 +19,14 @@ import jax.numpy as jnp
 
 
 class Positions(NamedTuple):
-    """Where each token of `[B, T]` tokens sits: `index`, its position in its document;
-    `segment`, its document's id (0: padding), or None where every row is one document."""
+    """What each row of `[B, T]` tokens carries besides its activations, split and indexed
+    per microbatch with them: where each token sits (`index`, its position in its document;
+    `segment`, its document's id, 0 padding, or None where every row is one document) and the
+    row's dropout keys `[B]` (`migrate.common.dropout`; None: no dropout)."""
 
     index: jax.Array
     segment: jax.Array | None = None
+    dropout: jax.Array | None = None
 
 
 # The synthetic data's documents: each token starts a new one with this probability (lengths
@@ -50,12 +53,15 @@ def documents(starts: Any, padding: Any, xp: Any = jnp) -> tuple[Any, Any]:
 
 
 def of_tokens(
-    tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+    tokens: jax.Array,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    dropout_keys: jax.Array | None = None,
 ) -> Positions:
     """The tokens' `Positions`: `positions` given, or `0 .. T-1` on every row."""
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    return Positions(positions, segment_ids)
+    return Positions(positions, segment_ids, dropout_keys)
 
 
 def attention_mask(segment_ids: jax.Array | None, length: int) -> jax.Array:

@@ -60,6 +60,13 @@ def stage_work(cfg: Config, iteration: jnp.ndarray | int, xp: Any = jnp):
     return processed % cfg.num_microbatches, processed // cfg.num_microbatches, valid
 
 
+def first_layers(cfg: Config, repeat_ids: jnp.ndarray) -> jnp.ndarray:
+    """The global index of every stage's first layer at its repeat `repeat_ids` `[S]`:
+    `(r*S + s)*L` (`migrate.common.layout`'s placement)."""
+    stages = jnp.arange(cfg.num_stages)
+    return (repeat_ids * cfg.num_stages + stages) * cfg.layers_per_stage
+
+
 def last_stage_microbatch(cfg: Config, iteration: jnp.ndarray | int):
     """(microbatch id, valid) of what the last stage finishes at `iteration`: scalars.
 

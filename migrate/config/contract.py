@@ -55,6 +55,10 @@ class Config:
     num_experts: int
     num_experts_per_tok: int
     load_balance_loss_weight: float
+    # Dropout at MaxText's four sites (`migrate.common.dropout`): on in train steps when
+    # `enable_dropout` and `dropout_rate > 0`; evaluation never drops.
+    dropout_rate: float
+    enable_dropout: bool
 
     per_device_batch_size: float
     # Packed sequences (MaxText's key): documents of random lengths share a row, each token

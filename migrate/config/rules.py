@@ -102,6 +102,10 @@ def violations(cfg: Config) -> list[str]:
     )
     for key in ("learning_rate", "adam_eps"):
         need(getattr(cfg, key) > 0, f"{key}={getattr(cfg, key)}: must be > 0")
+    need(
+        0 <= cfg.dropout_rate < 1,
+        f"dropout_rate={cfg.dropout_rate}: must be in [0, 1) (0 disables)",
+    )
     for key in ("adam_b1", "adam_b2"):
         need(0 <= getattr(cfg, key) < 1, f"{key}={getattr(cfg, key)}: must be in [0, 1)")
     for key in ("adam_weight_decay", "gradient_clipping_threshold"):

@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from migrate.common import axes, packing, placement, remat, sharding
+from migrate.common import axes, dropout, packing, placement, remat, sharding
 from migrate.config.contract import Config
 from migrate.nnx.layers import DecoderLayer, DenseGeneral, Embed, RMSNorm, constrain
 from migrate.nnx.pipeline import Pipeline, scan_layers, stack_modules
@@ -51,6 +51,7 @@ class Decoder(nnx.Module):
                 rngs,
             )
         self.decoder_norm = RMSNorm(cfg, rngs=rngs)
+        self.dropout = nnx.Dropout(cfg.dropout_rate, broadcast_dims=dropout.BROADCAST_DIMS)
         if not cfg.logits_via_embedding:
             self.logits_dense = DenseGeneral(
                 (cfg.base_emb_dim,), (cfg.vocab_size,), axes.LOGITS_KERNEL, cfg, rngs=rngs
@@ -62,14 +63,20 @@ class Decoder(nnx.Module):
         bubble_fill: float | jax.Array = 0.0,
         segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
+        dropout_keys: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """`(logits, aux)`; `bubble_fill` goes to the pipeline (`Pipeline.__call__`). A packed
         batch gives each token's `segment_ids` and `positions` in its document
-        (`migrate.common.packing`); otherwise every row is one document."""
+        (`migrate.common.packing`); otherwise every row is one document. Given `dropout_keys`
+        `[B]` (a train step's, `dropout.row_keys`) and with dropout on, every row drops with its
+        own keys (`migrate.common.dropout`); without them, nothing drops."""
         cfg, rules = self.config, self.config.logical_axis_rules
+        keys = dropout_keys if dropout.active(cfg) else None
+        drop = lambda row, key: self.dropout(row, deterministic=False, rngs=key)
         x = self.token_embedder(tokens)
+        x = dropout.per_row(drop, x, keys, dropout.SITE_EMBEDDING)
         x = constrain(x, axes.LOGITS_BATCH_LENGTH_EMBED, self.mesh, rules)
-        positions = packing.of_tokens(tokens, segment_ids, positions)
+        positions = packing.of_tokens(tokens, segment_ids, positions, keys)
         if self.pipelined:
             with jax.named_scope(axes.INTO_PIPELINE):
                 x = constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)
@@ -83,6 +90,7 @@ class Decoder(nnx.Module):
             policy = remat.layer_policy(cfg)
             x, aux = scan_layers(self.layers, x, positions, policy)
         x = self.decoder_norm(x)
+        x = dropout.per_row(drop, x, keys, dropout.SITE_DECODER_NORM)
         x = constrain(x, axes.LOGITS_HEAD_INPUT, self.mesh, rules)
         head = self.token_embedder.attend if cfg.logits_via_embedding else self.logits_dense
         logits = head(x)
@@ -111,7 +119,8 @@ class LayersAfterPipeline(nnx.Module):
         `[N-P, B, T, E]`."""
         cfg = self.config
         policy = remat.layer_policy(cfg)
-        return scan_layers(self.layers, x, positions, policy, trace)
+        first = cfg.num_pipelined_layers
+        return scan_layers(self.layers, x, positions, policy, trace, first)
 
 
 def param_shardings(abstract: nnx.State, mesh: Mesh, cfg: Config) -> nnx.State:

@@ -14,7 +14,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
-from migrate.common import axes, moe, numerics, packing, remat, sharding
+from migrate.common import axes, dropout, moe, numerics, packing, remat, sharding
 from migrate.config.contract import Config, Rules
 
 # Large negative score for masked positions (finite, so a fully masked row stays NaN-free).
@@ -218,12 +218,16 @@ class MLP(nnx.Module):
         self.wi_0 = DenseGeneral((emb,), (mlp,), axes.MLP_IN, cfg, rngs=rngs)
         self.wi_1 = DenseGeneral((emb,), (mlp,), axes.MLP_IN, cfg, rngs=rngs)
         self.wo = DenseGeneral((mlp,), (emb,), axes.MLP_OUT, cfg, rngs=rngs)
+        self.dropout = nnx.Dropout(cfg.dropout_rate, broadcast_dims=dropout.BROADCAST_DIMS)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, dropout_keys: jax.Array | None = None) -> jax.Array:
+        """`dropout_keys`: the rows' keys of this layer (`dropout.for_layer`), or None."""
         gate_proj = checkpoint_name(self.wi_0(x), remat.MLPWI_0)
         up_proj = checkpoint_name(self.wi_1(x), remat.MLPWI_1)
         hidden = jax.nn.silu(gate_proj) * up_proj
         hidden = constrain(hidden, axes.BATCH_LENGTH_MLP, self.mesh, self.config.logical_axis_rules)
+        drop = lambda row, key: self.dropout(row, deterministic=False, rngs=key)
+        hidden = dropout.per_row(drop, hidden, dropout_keys, dropout.SITE_MLP)
         return checkpoint_name(self.wo(hidden), remat.MLPWO)
 
 
@@ -304,10 +308,17 @@ class DecoderLayer(nnx.Module):
             if cfg.num_experts > 1
             else MLP(cfg, self.mesh, rngs=rngs)
         )
+        self.dropout = nnx.Dropout(cfg.dropout_rate, broadcast_dims=dropout.BROADCAST_DIMS)
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array | None = None,
+        dropout_keys: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
+        """`dropout_keys`: the rows' keys of this layer (`dropout.for_layer`), or None: no
+        dropout (MaxText's MoE block drops nothing inside; its layer output does)."""
         rules = self.config.logical_axis_rules
         x = checkpoint_name(x, axes.DECODER_LAYER_INPUT)
         x = constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)
@@ -315,7 +326,10 @@ class DecoderLayer(nnx.Module):
         if self.config.num_experts > 1:
             mlp_out, aux = self.mlp(self.post_self_attention_layer_norm(x))
         else:
-            mlp_out, aux = self.mlp(self.post_self_attention_layer_norm(x)), jnp.zeros(())
+            mlp_out = self.mlp(self.post_self_attention_layer_norm(x), dropout_keys)
+            aux = jnp.zeros(())
         x = x + mlp_out
+        drop = lambda row, key: self.dropout(row, deterministic=False, rngs=key)
+        x = dropout.per_row(drop, x, dropout_keys, dropout.SITE_LAYER_OUTPUT)
         x = constrain(x, axes.BATCH_LENGTH_EMBED, self.mesh, rules)
         return x, aux

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 
-from migrate.common import axes, packing, remat, schedule, sharding
+from migrate.common import axes, dropout, packing, remat, schedule, sharding
 from migrate.config.contract import Config
 from migrate.nnx.layers import DecoderLayer, constrain
 
@@ -46,8 +46,9 @@ def stack_modules(
 def apply_layer(
     layer: nnx.Module, x: jax.Array, positions: packing.Positions
 ) -> tuple[jax.Array, jax.Array]:
-    """One decoder layer's `(x, aux)`: what `remat_layer` rematerialises."""
-    return layer(x, positions.index, positions.segment)
+    """One decoder layer's `(x, aux)`: what `remat_layer` rematerialises. `positions` carry
+    this layer's dropout keys (`dropout.at_layer`)."""
+    return layer(x, positions.index, positions.segment, positions.dropout)
 
 
 def remat_layer(policy: Callable | None) -> Callable:
@@ -63,19 +64,26 @@ def scan_layers(
     positions: packing.Positions,
     policy: Callable | None = None,
     trace: bool = False,
+    first_layer: jax.Array | int = 0,
 ):
     """Apply the stacked `layer` once per slice of its leading weight axis, in order, each
     application rematerialised with `policy` (`remat_layer`): `(x, aux)`, aux the layers'
     load-balancing losses summed (carried through the scan); with `trace`, also every
-    application's output, stacked (the drill-down compares them)."""
+    application's output, stacked (the drill-down compares them). Application i is global
+    layer `first_layer + i`, whose index its dropout keys fold in."""
     call = remat_layer(policy)
     graphdef, state = nnx.split(layer)
 
-    def body(carry, layer_state):
-        y, aux = call(nnx.merge(graphdef, layer_state), carry[0], positions)
+    def body(carry, xs):
+        layer_state, layer_id = xs
+        pos = dropout.at_layer(positions, layer_id)
+        y, aux = call(nnx.merge(graphdef, layer_state), carry[0], pos)
         return (y, carry[1] + aux), (y if trace else None)
 
-    (x, aux), outputs = jax.lax.scan(body, (x, jnp.zeros(())), state)
+    # Layer ids scanned only where they key dropout: without it the program is unchanged.
+    length = jax.tree.leaves(state)[0].shape[0]
+    layer_ids = None if positions.dropout is None else first_layer + jnp.arange(length)
+    (x, aux), outputs = jax.lax.scan(body, (x, jnp.zeros(())), (state, layer_ids))
     return (x, aux, outputs) if trace else (x, aux)
 
 
@@ -104,14 +112,18 @@ class StageLayers(nnx.Module):
             for slot in range(cfg.layers_per_stage):
                 setattr(self, f"layers_{slot}", DecoderLayer(cfg, self.mesh, rngs=rngs))
 
-    def __call__(self, x: jax.Array, positions: packing.Positions) -> tuple[jax.Array, jax.Array]:
-        """`(x, aux)`: aux the L layers' load-balancing losses summed."""
+    def __call__(
+        self, x: jax.Array, positions: packing.Positions, first_layer: jax.Array | int = 0
+    ) -> tuple[jax.Array, jax.Array]:
+        """`(x, aux)`: aux the L layers' load-balancing losses summed. The stage's layers are
+        global layers `first_layer ..` (`(r*S + s)*L`: their dropout keys fold it in)."""
         cfg = self.config
         if cfg.scan_layers_per_stage:
-            return scan_layers(self.layers, x, positions)
+            return scan_layers(self.layers, x, positions, first_layer=first_layer)
         aux = jnp.zeros(())
         for slot in range(cfg.layers_per_stage):
-            x, layer_aux = getattr(self, f"layers_{slot}")(x, positions.index, positions.segment)
+            layer = getattr(self, f"layers_{slot}")
+            x, layer_aux = apply_layer(layer, x, dropout.at_layer(positions, first_layer + slot))
             aux = aux + layer_aux
         return x, aux
 
@@ -223,9 +235,10 @@ class Pipeline(nnx.Module):
             history = jnp.concatenate([history, drained])
         return loop_state, history
 
-    def run_stages(self, stage, weights, stage_inputs, stage_positions, repeat_ids):
+    def run_stages(self, stage, weights, stage_inputs, stage_positions, repeat_ids, first_layers):
         """Every stage applies its layers (for its current repeat: `repeat_ids` index the
-        leading axis of `weights`, all R repeats or a window of them) to its input, in parallel:
+        leading axis of `weights`, all R repeats or a window of them; `first_layers` `[S]` the
+        global index of each stage's first layer) to its input, in parallel:
         (outputs `[S, ...]`, load-balancing losses `[S]`);
         on fsdp x tensor meshes with that repeat's weights gathered over `fsdp` for the visit
         (`sharding.stage_weights_need_gathering`). `stage` is the module the weights are applied
@@ -238,18 +251,18 @@ class Pipeline(nnx.Module):
             spec = sharding.gathered_over_fsdp(names, self.mesh, cfg)
             return variable.replace(jax.lax.with_sharding_constraint(variable[...], spec))
 
-        def one_stage(stage_weights, x, pos, repeat):
+        def one_stage(stage_weights, x, pos, repeat, first_layer):
             if cfg.num_repeats > 1:
                 stage_weights = jax.tree.map(lambda w: w[repeat], stage_weights)
             if sharding.stage_weights_need_gathering(cfg):
                 stage_weights = jax.tree.map(
                     gathered, stage_weights, is_leaf=lambda x: isinstance(x, nnx.Variable)
                 )
-            return nnx.merge(stage, stage_weights)(x, pos)
+            return nnx.merge(stage, stage_weights)(x, pos, first_layer)
 
         weight_axis = 1 if cfg.num_repeats > 1 else 0
-        return jax.vmap(one_stage, in_axes=(weight_axis, 0, 0, 0), spmd_axis_name="stage")(
-            weights, stage_inputs, stage_positions, repeat_ids
+        return jax.vmap(one_stage, in_axes=(weight_axis, 0, 0, 0, 0), spmd_axis_name="stage")(
+            weights, stage_inputs, stage_positions, repeat_ids, first_layers
         )
 
     def run(
@@ -273,6 +286,12 @@ class Pipeline(nnx.Module):
         micro_positions = jax.tree.map(
             lambda p: schedule.split_microbatches(p, num_micro), positions
         )
+        if positions.dropout is not None:
+            # Replicated ([B] keys: a few bytes a row), so that every stage picks its
+            # microbatch's keys locally: left to XLA, the pick is a gather across stages.
+            micro_positions = micro_positions._replace(
+                dropout=constrain(micro_positions.dropout, (None, None), mesh, rules)
+            )
         stage_shape = (cfg.num_stages, *micro_inputs.shape[1:])
         fill = jnp.asarray(bubble_fill, inputs.dtype)
         loop_state = {
@@ -302,6 +321,7 @@ class Pipeline(nnx.Module):
                 stage_inputs,
                 jax.tree.map(lambda p: p[micro_ids], micro_positions),
                 repeat_ids - first_repeat,
+                schedule.first_layers(cfg, repeat_ids),
             )
             # The schedule's one collective per iteration: outputs move one stage right. The
             # rotation wraps the last stage's output around to stage 0, which stores it locally.

@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from migrate.common import accumulation, optim, packing
+from migrate.common import accumulation, dropout, optim, packing
 from migrate.common.loss import training_loss
 from migrate.config.contract import Config
 from migrate.nnx.decoder import Decoder
@@ -27,13 +27,14 @@ from migrate.nnx.decoder import param_shardings as param_shardings_of
 
 
 def make_loss_fn(cfg: Config, model: nnx.GraphDef[Decoder]) -> Callable:
-    """`(params, batch, bubble_fill=0.0) -> (loss, (logits, aux))` for `model`, the decoder of
-    `cfg`: the loss the optimizer sees (`training_loss`) and the load-balancing loss aux in it;
-    `bubble_fill` (a test hook, `Pipeline.__call__`) goes to the decoder's call."""
+    """`(params, batch, bubble_fill=0.0, dropout_keys=None) -> (loss, (logits, aux))` for
+    `model`, the decoder of `cfg`: the loss the optimizer sees (`training_loss`) and the
+    load-balancing loss aux in it; `bubble_fill` (a test hook, `Pipeline.__call__`) and
+    `dropout_keys` (per row; None: nothing drops) go to the decoder's call."""
 
-    def loss_fn(params, batch, bubble_fill: float | jax.Array = 0.0):
+    def loss_fn(params, batch, bubble_fill: float | jax.Array = 0.0, dropout_keys=None):
         logits, aux = nnx.merge(model, params)(
-            batch["inputs"], bubble_fill, **packing.decoder_inputs(batch)
+            batch["inputs"], bubble_fill, **packing.decoder_inputs(batch), dropout_keys=dropout_keys
         )
         loss = training_loss(cfg, logits, aux, batch["targets"], packing.loss_weights(batch))
         return loss, (logits, aux)
@@ -46,13 +47,19 @@ def make_train_step(
 ) -> Callable:
     """`(params, opt_state, batch) -> (params, opt_state, metrics)`, pure; jit it. The batch
     holds `cfg.train_batch_size` rows: with `gradient_accumulation_steps` k > 1, the loss and
-    gradients are averaged over k batches of `global_batch_size` rows (`accumulation`)."""
+    gradients are averaged over k batches of `global_batch_size` rows (`accumulation`). With
+    dropout on, the step's masks come from its rows' keys (`dropout.step_key`: the seed and the
+    optimizer's step count, so a resumed run draws what an uninterrupted one draws)."""
     value_and_grad = accumulation.value_and_grad(
         make_loss_fn(cfg, model), cfg.gradient_accumulation_steps
     )
 
     def train_step(params, opt_state, batch):
-        (loss, (_, aux)), grads = value_and_grad(params, batch)
+        keys = None
+        if dropout.active(cfg):
+            key = dropout.step_key(cfg, optim.step_count(opt_state))
+            keys = dropout.row_keys(key, batch["inputs"].shape[0])
+        (loss, (_, aux)), grads = value_and_grad(params, batch, keys)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, step_metrics(cfg, loss, aux, grads)

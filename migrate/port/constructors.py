@@ -5,6 +5,7 @@ argument as written where `__init__` can evaluate it, else its traced value."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import types
 from collections.abc import Callable, Collection, Mapping
@@ -54,10 +55,10 @@ class Constructors:
         if target in self.refused:
             why = f"not ported: {self.refused[target]}"
         if layer is not None:
-            if child is None or not child.called:
+            if layer.needs_input and (child is None or not child.called):
                 why = "never traced: its input size is unknown"
             else:
-                expression, why = self.layer(site, child, layer)
+                expression, why = self.layer(site, child or untraced(layer), layer)
                 if expression is not None:
                     return expression, layer.label
         return self.bridge(site, child, why)
@@ -184,12 +185,16 @@ class Constructors:
             elif field in layer.at_call and site.called is not None:
                 continue  # moved to the call (`call_changes`)
             else:  # computed in __call__: its traced value
+                if field not in child.attributes:
+                    return None, f"{field}= is computed in __call__, which never built it"
                 traced = self.literal(child.attributes[field])
                 if traced is None:
                     return None, f"{field}= is computed in __call__ and not a literal"
                 init_args[nnx_name] = traced
         for field in sorted(carried - set(given)):
             nnx_name = layer.renamed.get(field, field)
+            if field not in child.attributes:
+                return None, f"{field}= has no default and was never traced"
             value = child.attributes[field]
             default = parameters[nnx_name].default
             text = self.literal(value)
@@ -197,7 +202,8 @@ class Constructors:
                 continue
             if default is inspect.Parameter.empty or not _same(value, default):
                 init_args[nnx_name] = text
-        sizes = [self.size(s) for s in layer.sizes(child.inputs[0], child.attributes)]
+        first_input = child.inputs[0] if child.inputs else None
+        sizes = [self.size(s) for s in layer.sizes(first_input, child.attributes)]
         args = [*sizes, *(f"{k}={v}" for k, v in init_args.items()), "rngs=rngs"]
         return f"nnx.{layer.nnx.__name__}({', '.join(args)})", None
 
@@ -287,3 +293,15 @@ def _same(a: Any, b: Any) -> bool:
         return bool(a == b) and type(a) is type(b)
     except Exception:
         return False
+
+
+def untraced(layer: Layer) -> Child:
+    """A layer the trace never built (a branch not taken), as far as its source tells: its
+    Linen defaults, which the arguments written at the site then override. Only a layer whose
+    NNX constructor needs no traced size is built so (`Layer.needs_input`)."""
+    defaults = {
+        f.name: f.default
+        for f in dataclasses.fields(layer.linen)
+        if f.default is not dataclasses.MISSING and f.name not in ("parent", "name")
+    }
+    return Child(name="", cls=layer.linen, attributes=defaults)

@@ -52,6 +52,12 @@ class Layer:
     feature_last: bool = False  # translated only with feature_axes -1
 
     @property
+    def needs_input(self) -> bool:
+        """Whether NNX's constructor needs a size only the first call's input gives (a layer
+        that needs none is built from its fields, called or not: `nn.Dropout`, `nn.Embed`)."""
+        return self.sizes is not _none
+
+    @property
     def label(self) -> str:
         return f"nn.{self.linen.__name__} -> nnx.{self.nnx.__name__}"
 

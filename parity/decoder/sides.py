@@ -12,18 +12,28 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from migrate.checkpoints import convert
-from migrate.common import optim
+from migrate.common import dropout, optim
 from migrate.common import sharding as sharding_lib
 from migrate.config.contract import Config
 from parity.analysis import compare
 from parity.decoder import cost, drilldown, twins
 from parity.engine import compiles
 from parity.engine.side import DrillStage, ProgramArray, Run, Side, Trainer
+from parity.module_pair.calls import Randomness, draw_keys
 from parity.multiprocess import distributed
+
+# The `random` check's forward runs of a decoder with dropout, each with a new key: every draw
+# is compared exactly (the twins take the same keys), so a few show that the masks follow the key.
+DROPOUT_DRAWS = 4
+# The decoder's one stochastic call: its rows' keys reach both twins' Dropout modules raw.
+DECODER_RANDOMNESS = Randomness(
+    linen_streams=(), linen_arg="dropout_keys", nnx_arg="dropout_keys", draws=DROPOUT_DRAWS
+)
 
 # The train step's positional arguments and results, as labels name them.
 STEP_PARTS = {
@@ -136,6 +146,23 @@ class DecoderSide(Side):
                 leaves[f"train step {io}: {name}"] = (a, len(aval.shape), d)
         return leaves
 
+    def run_with(self, weights: Any, dropout_key: Any) -> Run:
+        """`run`, dropping with the rows' keys of `dropout_key` (`twins.forward_keys`)."""
+        raise NotImplementedError
+
+    def run(self, weights: Any) -> Run:
+        return self.run_with(weights, None)
+
+    def stochastic_calls(self) -> dict[int, tuple[str, Any]]:
+        """With dropout on, the decoder's forward (`DECODER_RANDOMNESS`)."""
+        return {0: ("decoder", DECODER_RANDOMNESS)} if dropout.active(self.cfg) else {}
+
+    def draws(self, weights: Any, index: int) -> Any:
+        """The logits of `DROPOUT_DRAWS` forward runs, each with its draw's key."""
+        keys = draw_keys(self.cfg.seed, index, DROPOUT_DRAWS)
+        logits = [self.run_with(weights, key).outputs for key in keys]
+        return {"outputs": jax.tree.map(lambda *x: np.stack(x), *logits), "sites": {}}
+
     def drill_stages(self, weights: Any) -> list[DrillStage]:
         common = distributed.to_host(self.to_common(weights))
         return drilldown.stages(self.framework, self.cfg, self.mesh, weights, common, self.batch)
@@ -162,9 +189,10 @@ class LinenDecoderSide(DecoderSide):
     def step_params(self, weights: Any) -> Any:
         return weights["params"]
 
-    def run(self, weights: Any) -> Run:
+    def run_with(self, weights: Any, dropout_key: Any) -> Run:
+        cfg, batch = self.cfg, self.batch
         return twins.run_linen(
-            self.cfg, self.mesh, weights, self.batch, self.use_pipeline, self.bubble_fill
+            cfg, self.mesh, weights, batch, self.use_pipeline, self.bubble_fill, dropout_key
         )
 
     def train_fns(self) -> tuple[Any, Any]:
@@ -197,9 +225,10 @@ class NNXDecoderSide(DecoderSide):
         )
         return distributed.to_host(nn.meta.unbox(tree))
 
-    def run(self, weights: Any) -> Run:
+    def run_with(self, weights: Any, dropout_key: Any) -> Run:
+        cfg, batch = self.cfg, self.batch
         return twins.run_nnx(
-            self.cfg, self.mesh, weights, self.batch, self.use_pipeline, self.bubble_fill
+            cfg, self.mesh, weights, batch, self.use_pipeline, self.bubble_fill, dropout_key
         )
 
     def train_fns(self) -> tuple[Any, Any]:

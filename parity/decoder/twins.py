@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from migrate.checkpoints import convert
-from migrate.common import optim, sharding
+from migrate.common import dropout, optim, sharding
 from migrate.config.contract import Config
 from migrate.linen import decoder as linen_decoder
 from migrate.linen import train as linen_train
@@ -99,15 +99,26 @@ def with_grad_norm(loss_fn: Callable) -> Callable:
     gradient norm is computed inside the jitted step from the sharded gradients, as gradient
     clipping does; aux is the load-balancing loss inside `loss`. `bubble_fill` (a float32
     scalar, `fill_value`) fills the pipeline's unwritten buffer slots: an argument, so that the
-    `bubbles` check's NaN runs the forward program every other check runs."""
+    `bubbles` check's NaN runs the forward program every other check runs; so is
+    `dropout_keys` (`forward_keys`), so that every draw of the `random` check runs it too."""
 
-    def step(params, batch, bubble_fill=0.0):
+    def step(params, batch, bubble_fill=0.0, dropout_keys=None):
         (loss, (logits, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, batch, bubble_fill
+            params, batch, bubble_fill, dropout_keys
         )
         return (loss, logits, aux, optax.global_norm(grads)), grads
 
     return step
+
+
+def forward_keys(cfg: Config, batch: Any, draw: jax.Array | None = None) -> jax.Array | None:
+    """The rows' dropout keys the checks' forward and backward run with: the first train
+    step's (`dropout.step_key(cfg, 0)`), or those of a `random` check draw's key; None where
+    nothing drops."""
+    if not dropout.active(cfg):
+        return None
+    key = dropout.step_key(cfg, 0) if draw is None else draw
+    return dropout.row_keys(key, batch["inputs"].shape[0])
 
 
 def fill_value(bubble_fill: float) -> np.ndarray:
@@ -192,10 +203,14 @@ def run_linen(
     batch,
     use_pipeline: bool | None = None,
     bubble_fill: float = 0.0,
+    dropout_key: jax.Array | None = None,
 ) -> Run:
+    """One forward and backward of the Linen twin, dropping with the rows' keys of
+    `dropout_key` (`forward_keys`)."""
     step = linen_step(cfg, mesh, use_pipeline)
+    key = forward_keys(cfg, batch, dropout_key)
     (loss, logits, aux, grad_norm), grads = step(
-        variables["params"], batch, fill_value(bubble_fill)
+        variables["params"], batch, fill_value(bubble_fill), key
     )
     loss, logits, aux, grad_norm, grads = distributed.to_host((loss, logits, aux, grad_norm, grads))
     return Run(loss, logits, {"params": nn.meta.unbox(grads)}, grad_norm, **aux_loss(cfg, aux))
@@ -290,9 +305,13 @@ def run_nnx(
     batch,
     use_pipeline: bool | None = None,
     bubble_fill: float = 0.0,
+    dropout_key: jax.Array | None = None,
 ) -> Run:
+    """One forward and backward of the NNX twin, dropping with the rows' keys of
+    `dropout_key` (`forward_keys`)."""
     step = nnx_step(cfg, mesh, use_pipeline)
-    (loss, logits, aux, grad_norm), grads = step(params, batch, fill_value(bubble_fill))
+    key = forward_keys(cfg, batch, dropout_key)
+    (loss, logits, aux, grad_norm), grads = step(params, batch, fill_value(bubble_fill), key)
     loss, logits, aux, grad_norm = distributed.to_host((loss, logits, aux, grad_norm))
     grads = distributed.to_host(nn.meta.unbox(convert.nnx_to_linen(grads)))
     return Run(loss, logits, grads, grad_norm, **aux_loss(cfg, aux))

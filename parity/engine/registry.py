@@ -298,7 +298,15 @@ REGISTRY: tuple[Check, ...] = (
         "random",
         "stochastic calls (dropout, your own RNG streams) compared in distribution where "
         "their keys are not aligned",
-        _on({"parity.engine.randomness:random": (Front.MODULES,)}),
+        _on({"parity.engine.randomness:random": (Front.MODULES, Front.TWINS)}),
+        frozenset({Front.TWINS}),
+        compares=(
+            "with dropout on (`dropout_rate` > 0, `enable_dropout`), the decoder's forward run "
+            "4 times, each with a new key's per-row keys (the same on both twins: "
+            '[docs/pipeline.md](docs/pipeline.md), "Dropout"): logits per draw, and whether '
+            "the draws differ from each other alike on both sides; without dropout, nothing"
+        ),
+        passes="bit-exact per draw; every draw differs from the one before on both sides",
     ),
 )
 BY_NAME: dict[str, Check] = {check.name: check for check in REGISTRY}

@@ -258,11 +258,29 @@ def violations(keys: dict[str, Any]) -> list[str]:
         elif key == "matmul_precision":
             ok, allowed = value in MATMUL_PRECISIONS, list(MATMUL_PRECISIONS)
             problem = None if ok else f"{key}={short_repr(value)}: must be one of {allowed}"
+        elif key in ("dropout_rate", "enable_dropout"):
+            problem = _dropout_problem(keys)
         else:
             continue
-        if problem is not None:
+        if problem is not None and problem not in out:
             out.append(problem)
     return out
+
+
+def _dropout_problem(keys: dict[str, Any]) -> str | None:
+    """Dropout asked of a gate whose runs are deterministic: the releases key their pipelines'
+    masks by stage and iteration (0.2.5) or not at all (0.2.3's Linen pipeline), so no run of
+    one lines up with the other's or with a twin's (docs/pipeline.md, "Dropout")."""
+    rate = keys.get("dropout_rate", 0.0)
+    if keys.get("enable_dropout", True) is False or (
+        isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate == 0
+    ):
+        return None
+    return (
+        f"dropout_rate={short_repr(rate)}: the MaxText gate compares deterministic runs "
+        "(the releases key their pipelines' dropout masks differently); the twins' dropout: "
+        "parity CONFIG dropout_rate=R"
+    )
 
 
 def cpu_problem(keys: dict[str, Any]) -> str | None:
