@@ -13,7 +13,7 @@ import pytest
 from conftest import CONFIG_DIR, run_cli
 from flax import nnx
 
-from migrate.checkpoints import checkpoint_io
+from migrate.checkpoints import checkpoint_io, meta
 from migrate.checkpoints.train_state import Spec, TrainState
 from migrate.common import dropout, optim, sharding
 from migrate.config.loading import load_config
@@ -107,6 +107,11 @@ def test_a_resumed_run_draws_what_an_uninterrupted_one_draws(tmp_path):
     uninterrupted, _, metrics = step(once.params["params"], once.opt_state, batches[1])
     expected = jax.device_get(nn.meta.unbox(uninterrupted))
 
+    # The checkpoint records the keys' seed: a run resumed under a config of another seed
+    # takes the checkpoint's (`stored_config`), and so the same masks.
+    recorded = meta.read_meta(tmp_path / "ckpt")
+    assert recorded[meta.RNG] == {"seed": cfg.seed, "dropout_impl": dropout.IMPL}
+    assert meta.stored_config(recorded, cfg.replace(seed=7)).seed == cfg.seed
     resumed = checkpoint_io.restore(tmp_path / "ckpt", Spec("linen", "pipeline", cfg), mesh)
     params, _, resumed_metrics = step(resumed.params["params"], resumed.opt_state, batches[1])
     assert np.asarray(resumed_metrics["loss"]).tobytes() == np.asarray(metrics["loss"]).tobytes()

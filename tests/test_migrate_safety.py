@@ -119,6 +119,8 @@ def _edit(meta: dict, edit: str) -> None:
         del meta["layout_keys"]["scan_layers_per_stage"]
     elif edit == "wrong-dtype":
         meta["weight_dtype"] = "float64"
+    elif edit == "seed-out-of-bounds":
+        meta["rng"]["seed"] = -5
 
 
 @pytest.mark.slow
@@ -132,6 +134,7 @@ def _edit(meta: dict, edit: str) -> None:
         ("shape-of-text", ".shape: expected a list"),
         ("missing-layout-key", "layout_keys: expected exactly"),
         ("wrong-dtype", "weight_dtype: expected one of float32, bfloat16"),
+        ("seed-out-of-bounds", "rng: expected seed (an integer in 0..4294967295)"),
     ],
 )
 def test_an_edited_meta_is_refused_before_jax(edit, fragment, src, tmp_path):

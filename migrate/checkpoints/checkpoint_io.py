@@ -33,6 +33,7 @@ from migrate.checkpoints.meta import (
     ARRAY_ITEMS,
     FORMAT,
     MODEL_KEYS,
+    RNG,
     VERSION,
     CheckpointError,
     read_meta,
@@ -50,6 +51,7 @@ from migrate.checkpoints.train_state import (
     mismatches,
     to_pure,
 )
+from migrate.common import dropout
 
 # OCDBT data files are written when they reach this size: the default buffers a whole item in
 # memory before writing it (measured: 0.7x the checkpoint's bytes; 64 MiB files: 0.3x).
@@ -149,6 +151,7 @@ def save_args(spec: Spec, state: TrainState) -> ocp.args.Composite:
         "model": {k: getattr(cfg, k) for k in MODEL_KEYS},
         "weight_dtype": cfg.weight_dtype,
         "model_name": cfg.model_name,
+        RNG: {"seed": cfg.seed, "dropout_impl": dropout.IMPL},
         "arrays": arrays,
     }
     return ocp.args.Composite(

@@ -1,8 +1,9 @@
 """A checkpoint's `meta` item, read and validated without JAX.
 
 `meta` (Orbax `JsonSave`, the file `DIR/meta/metadata`) is the one place a checkpoint states
-what it holds: format, framework, layout, step, layout keys, model keys, and per array its
-shape, dtype, logical names and CRC32. Every field is checked for type and bounds before
+what it holds: format, framework, layout, step, layout keys, model keys, the dropout keys' seed
+(`rng`: with the optimizer state's step count, the RNG state a resumed run draws from), and per
+array its shape, dtype, logical names and CRC32. Every field is checked for type and bounds before
 anything uses it: the device count of a conversion comes from these layout keys, so an edited
 field must be refused here, not reach XLA. `migrate.checkpoints.commands` re-exports these names.
 """
@@ -59,6 +60,9 @@ REQUIRED = (
     "model_name",
     "arrays",
 )
+# Optional (checkpoints written before it have none): the seed and PRNG of the dropout keys.
+RNG = "rng"
+DROPOUT_IMPLS = ("threefry2x32",)
 ARRAY_DTYPES = ("float32", "bfloat16", "int32")
 MAX_META_BYTES = 64 << 20  # a 7B checkpoint's meta is ~100 KB
 MAX_ARRAYS = 100_000
@@ -155,6 +159,8 @@ def problems(meta: Any) -> list[str]:
     else:
         for key in MODEL_KEYS:
             out.append(_key_problem(f"model.{key}", key, model[key]))
+    if RNG in meta:
+        out.append(_rng_problem(meta[RNG]))
     out = [p for p in out if p is not None]
     arrays = meta["arrays"]
     if not isinstance(arrays, dict) or not 0 < len(arrays) <= MAX_ARRAYS:
@@ -165,6 +171,19 @@ def problems(meta: Any) -> list[str]:
             if len(out) > 5:
                 break
     return out
+
+
+def _rng_problem(rng: Any) -> str | None:
+    low, high = INT_BOUNDS["seed"]
+    if (
+        isinstance(rng, dict)
+        and set(rng) == {"seed", "dropout_impl"}
+        and _int_in(rng["seed"], low, high)
+        and rng["dropout_impl"] in DROPOUT_IMPLS
+    ):
+        return None
+    impls = ", ".join(DROPOUT_IMPLS)
+    return f"{RNG}: expected seed (an integer in {low}..{high}) and dropout_impl ({impls})"
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
@@ -224,6 +243,8 @@ def stored_config(meta: dict[str, Any], cfg: Any, changes: dict[str, Any] | None
     from migrate.config.loading import with_changes
 
     recorded = {**meta["layout_keys"], "weight_dtype": meta["weight_dtype"]}
+    if RNG in meta:  # a resumed run draws its dropout keys from the seed they were drawn from
+        recorded["seed"] = meta[RNG]["seed"]
     try:
         cfg = with_changes(cfg, {**(changes or {}), **recorded})
         return with_changes(cfg, REFERENCE_KEYS) if meta["layout"] == "reference" else cfg
