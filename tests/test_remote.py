@@ -386,7 +386,7 @@ def test_a_bad_environment_is_refused_before_jax(flags, fragment):
     assert time.monotonic() - start < 15
 
 
-ACROSS = ("roundtrip", "init", "forward", "grads", "sharding", "program", "train")
+ACROSS = ("roundtrip", "init", "forward", "grads", "sharding", "program", "train", "random")
 
 
 @pytest.mark.compat
@@ -394,11 +394,13 @@ ACROSS = ("roundtrip", "init", "forward", "grads", "sharding", "program", "train
 def test_the_twins_in_two_workers_pass_the_engine_checks(tmp_path):
     """`parity CONFIG --linen_python=... --nnx_python=...`: each side in its own worker (here
     this interpreter: the mechanism is the same for another one), every engine check passes
-    bit-exact, the local-only checks are said to be skipped, and the report is written."""
+    bit-exact with dropout on (the `random` check's draws made in the workers), the local-only
+    checks are said to be skipped, and the report is written."""
     report = tmp_path / "report.json"
     result = run(
-        "parity", TINY, f"--nnx_python={sys.executable}", f"--linen_python={sys.executable}",
-        "--checks=all", "--steps=2", f"--json={report}", timeout=900,
+        "parity", TINY, "dropout_rate=0.1", f"--nnx_python={sys.executable}",
+        f"--linen_python={sys.executable}", "--checks=all", "--steps=2", f"--json={report}",
+        timeout=900,
     )  # fmt: skip
     err = result.stderr.decode()
     assert result.returncode == 0, err[-3000:]
@@ -408,6 +410,7 @@ def test_the_twins_in_two_workers_pass_the_engine_checks(tmp_path):
     checks = {c["name"]: c for c in data["checks"]}
     assert list(checks) == list(ACROSS)
     assert all(c["passed"] for c in checks.values())
+    assert "decoder: 4 draws, same keys" in checks["random"]["message"]
     # the programs compiled (or read from the cache) in the workers count in the run's cost
     assert {"linen", "nnx"} <= {p.partition("/")[0] for p in data["cost"]["programs"]}
 

@@ -32,6 +32,15 @@ from parity.remote import protocol
 from parity.remote.client import Worker, WorkerError
 
 
+@dataclasses.dataclass(frozen=True)
+class RemoteRandomness:
+    """What the `random` check reads of a worker's stochastic call: its draw count, and
+    whether both sides take the same keys."""
+
+    draws: int
+    aligned: bool
+
+
 @dataclasses.dataclass(eq=False)
 class RemoteTree:
     """A tree held by a worker (native weights, an optimizer state), by handle."""
@@ -200,6 +209,19 @@ class RemoteSide(Side):
         if "grads" in parts:
             parts["grads"] = self._mapped(parts["grads"], forward=False)
         return Run(**{name: parts.get(name) for name in reply["parts"]})
+
+    # ------------------------------------------------------------ randomness
+
+    def stochastic_calls(self) -> dict[int, tuple[str, Any]]:
+        calls = self.call("stochastic_calls")["calls"]
+        return {
+            int(i): (name, RemoteRandomness(draws, aligned))
+            for i, (name, draws, aligned) in calls.items()
+        }
+
+    def draws(self, weights: RemoteTree, index: int) -> Any:
+        tree = self._tree(self.call("draws", handle=weights.handle, index=index)["tree"])
+        return {"outputs": tree.get("outputs"), "sites": tree.get("sites") or {}}
 
     @functools.cache  # noqa: B019 (one program per weights; a side lives as long as its pair)
     def _program(self, handle: int) -> RemoteProgram:

@@ -223,6 +223,20 @@ class Server:
         present = {k: v for k, v in parts.items() if v is not None}
         return {"tree": self.send_tree(present), "parts": sorted(present)}
 
+    def op_stochastic_calls(self) -> dict:
+        """The side's stochastic calls: index -> (name, draws, whether their keys align)."""
+        calls = _model(self.side.stochastic_calls)
+        return {
+            "calls": {
+                str(i): [name, randomness.draws, randomness.aligned]
+                for i, (name, randomness) in calls.items()
+            }
+        }
+
+    def op_draws(self, handle: int, index: int) -> dict:
+        draws = _model(lambda: self.side.draws(self.held[handle], index))
+        return {"tree": self.send_tree(draws)}
+
     def op_program(self, handle: int) -> dict:
         weights = self.held[handle]
         lowered = _model(lambda: self.side.lowered(weights))
