@@ -67,6 +67,16 @@ def test_dropout_keys_are_validated():
     assert dropout.active(load_config(TINY, ["dropout_rate=0.1"]))
 
 
+def test_a_train_step_draws_from_the_configs_seed():
+    """The harness shares one compiled program across seeds (`twins.compute_config`), but not
+    where dropout is on: there the seed keys the masks."""
+    cfg = load_config(TINY, ["dropout_rate=0.1", "seed=3"])
+    assert twins.compute_config(cfg).seed == 3
+    assert twins.compute_config(cfg.replace(dropout_rate=0.0)).seed == 0
+    keys = [jax.random.key_data(dropout.step_key(cfg.replace(seed=s), 0)) for s in (0, 3)]
+    assert (np.asarray(keys[0]) != np.asarray(keys[1])).any()
+
+
 @pytest.mark.slow
 def test_the_gate_holds_the_twins_and_the_pipeline_under_dropout(tmp_path):
     """Both twins bit-exact under dropout (forward, gradients, train steps, every draw of the

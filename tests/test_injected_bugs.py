@@ -502,6 +502,7 @@ def test_one_bfloat16_ulp_between_the_twins_fails_the_gate(monkeypatch, fresh_nn
 
 DEFAULT_CHECKS = {
     "roundtrip", "init", "forward", "grads", "sharding", "program", "pipeline", "bubbles", "train",
+    "random",
 }  # fmt: skip
 
 

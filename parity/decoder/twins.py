@@ -90,8 +90,9 @@ def nnx_mode() -> tuple[bool, bool]:
 
 
 def compute_config(cfg: Config) -> Config:
-    """`cfg` without the keys that do not change the compiled computation (seed, name)."""
-    return cfg.replace(seed=0, model_name="compute")
+    """`cfg` without the keys that do not change the compiled computation: the name, and the
+    seed unless dropout is on (a train step draws its masks from it: `dropout.step_key`)."""
+    return cfg.replace(seed=cfg.seed if dropout.active(cfg) else 0, model_name="compute")
 
 
 def with_grad_norm(loss_fn: Callable) -> Callable:
