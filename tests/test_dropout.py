@@ -54,7 +54,7 @@ def test_both_frameworks_draw_one_mask_per_row_from_its_own_key():
     alone = np.asarray(_linen_drop(x[picked], keys[picked], dropout.SITE_MLP))
     assert alone.tobytes() == linen[picked].tobytes()
     other_site = np.asarray(_linen_drop(x, keys, dropout.SITE_LAYER_OUTPUT))
-    other_layer = np.asarray(_linen_drop(x, dropout.for_layer(keys, 1), dropout.SITE_MLP))
+    other_layer = np.asarray(_linen_drop(x, dropout.fold_rows(keys, 1), dropout.SITE_MLP))
     assert (other_site != linen).any() and (other_layer != linen).any()
 
 

@@ -11,7 +11,7 @@ stream its call counter, so the two never agree by stream).
 The keys. A train step draws one key from (seed, optimizer step count), as MaxText folds
 `state.step` into its `init_rng`, and folds each row's index of the step's batch into it
 (`row_keys`); the decoder takes those per-row keys, each layer folds its global index
-`(r*S + s)*L + j` into its rows' keys (`for_layer`), and each site its number (`SITE_*`). A mask
+`(r*S + s)*L + j` into its rows' keys (`at_layer`), and each site its number (`SITE_*`). A mask
 is thus a function of (seed, step, row, layer, site) alone: not of the microbatch a row travels
 in, the stage or iteration that runs its layer, nor the pipeline's shape. The pipelined decoder
 therefore equals the reference under dropout too (the `pipeline` check still compares values),
@@ -69,11 +69,15 @@ def row_keys(key: jax.Array, rows: int) -> jax.Array:
     return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(rows))
 
 
-def for_layer(keys: jax.Array | None, layer: jax.Array | int) -> jax.Array | None:
-    """The rows' keys for global layer `layer` (None stays None: no dropout)."""
-    if keys is None:
-        return None
-    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, layer)
+def step_row_keys(cfg: Config, step: jax.Array | int, rows: int) -> jax.Array | None:
+    """The rows' keys of train step `step` (`row_keys` of `step_key`); None where nothing
+    drops."""
+    return row_keys(step_key(cfg, step), rows) if active(cfg) else None
+
+
+def fold_rows(keys: jax.Array, value: jax.Array | int) -> jax.Array:
+    """`value` (a layer's index, a site's number) folded into every row's key."""
+    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, value)
 
 
 def per_row(
@@ -86,12 +90,12 @@ def per_row(
     `x` `[B, ...]`, row `b` with `fold_in(keys[b], site)`; `x` itself where `keys` is None."""
     if keys is None:
         return x
-    site_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, site)
-    return jax.vmap(drop)(x, site_keys)
+    return jax.vmap(drop)(x, fold_rows(keys, site))
 
 
 def at_layer(positions: packing.Positions, layer: jax.Array | int) -> packing.Positions:
-    """`positions` with its rows' keys for global layer `layer` (`for_layer`)."""
+    """`positions` with its rows' keys for global layer `layer` (None stays None: no
+    dropout)."""
     if positions.dropout is None:
         return positions
-    return positions._replace(dropout=for_layer(positions.dropout, layer))
+    return positions._replace(dropout=fold_rows(positions.dropout, layer))

@@ -216,7 +216,7 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=dropout.BROADCAST_DIMS)
 
     def __call__(self, x: jax.Array, dropout_keys: jax.Array | None = None) -> jax.Array:
-        """`dropout_keys`: the rows' keys of this layer (`dropout.for_layer`), or None."""
+        """`dropout_keys`: the rows' keys of this layer (`dropout.at_layer`), or None."""
         gate_proj = checkpoint_name(self.wi_0(x), remat.MLPWI_0)
         up_proj = checkpoint_name(self.wi_1(x), remat.MLPWI_1)
         hidden = jax.nn.silu(gate_proj) * up_proj
@@ -317,7 +317,7 @@ class DecoderLayer(nn.Module):
         segment_ids: jax.Array | None = None,
         dropout_keys: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
-        """`dropout_keys`: the rows' keys of this layer (`dropout.for_layer`), or None: no
+        """`dropout_keys`: the rows' keys of this layer (`dropout.at_layer`), or None: no
         dropout (MaxText's MoE block drops nothing inside; its layer output does)."""
         rules = self.config.logical_axis_rules
         x = checkpoint_name(x, axes.DECODER_LAYER_INPUT)

@@ -55,10 +55,8 @@ def make_train_step(
     )
 
     def train_step(params, opt_state, batch):
-        keys = None
-        if dropout.active(cfg):
-            key = dropout.step_key(cfg, optim.step_count(opt_state))
-            keys = dropout.row_keys(key, batch["inputs"].shape[0])
+        step = optim.step_count(opt_state)
+        keys = dropout.step_row_keys(cfg, step, batch["inputs"].shape[0])
         (loss, (_, aux)), grads = value_and_grad(params, batch, keys)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)

@@ -116,10 +116,10 @@ def forward_keys(cfg: Config, batch: Any, draw: jax.Array | None = None) -> jax.
     """The rows' dropout keys the checks' forward and backward run with: the first train
     step's (`dropout.step_key(cfg, 0)`), or those of a `random` check draw's key; None where
     nothing drops."""
-    if not dropout.active(cfg):
-        return None
-    key = dropout.step_key(cfg, 0) if draw is None else draw
-    return dropout.row_keys(key, batch["inputs"].shape[0])
+    rows = batch["inputs"].shape[0]
+    if draw is None:
+        return dropout.step_row_keys(cfg, 0, rows)
+    return dropout.row_keys(draw, rows) if dropout.active(cfg) else None
 
 
 def fill_value(bubble_fill: float) -> np.ndarray:

@@ -231,7 +231,8 @@ def _int_problem(key: str, value: Any, low: int, high: int) -> str | None:
 
 def violations(keys: dict[str, Any]) -> list[str]:
     """The known keys out of their bounds (`MAXTEXT_BOUNDS`, the mesh axes, the batch, the
-    dtypes), in the config's order; empty when every one is in bounds."""
+    dtypes), in the config's order, then dropout asked for (`_dropout_problem`); empty when
+    every one is in bounds."""
     out = []
     for key, value in keys.items():
         if key in MAXTEXT_BOUNDS:
@@ -258,13 +259,12 @@ def violations(keys: dict[str, Any]) -> list[str]:
         elif key == "matmul_precision":
             ok, allowed = value in MATMUL_PRECISIONS, list(MATMUL_PRECISIONS)
             problem = None if ok else f"{key}={short_repr(value)}: must be one of {allowed}"
-        elif key in ("dropout_rate", "enable_dropout"):
-            problem = _dropout_problem(keys)
         else:
             continue
-        if problem is not None and problem not in out:
+        if problem is not None:
             out.append(problem)
-    return out
+    dropout = _dropout_problem(keys)
+    return out if dropout is None else [*out, dropout]
 
 
 def _dropout_problem(keys: dict[str, Any]) -> str | None:
