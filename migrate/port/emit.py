@@ -61,6 +61,7 @@ def emit(
     built, ported from its source alone); `ported`: the user's classes ported beside it,
     `refused`: those that could not be, and why (their sites are bridged)."""
     planner = Planner(source, trace, names, ported, refused or {})
+    planner.lifted_calls()
     if source.style == "compact":
         if trace is None:
             raise src.PortError(f"{source.cls.__name__}: compact and never traced")
@@ -126,9 +127,12 @@ def emit(
     )
     code = cst.Module(body=[class_def]).code
     needs = frozenset(planner.needs)
-    helpers = frozenset(helpers)
+    helpers = frozenset(helpers | planner.helpers)
     variables = dict(planner.variable_types)
-    return Emitted(code, tuple(planner.placed), tuple(planner.stubs), needs, helpers, variables)
+    functions = tuple(planner.functions.values())
+    return Emitted(
+        code, tuple(planner.placed), tuple(planner.stubs), needs, helpers, variables, functions
+    )
 
 
 def _blank(before: list[cst.CSTNode]) -> list[cst.EmptyLine]:

@@ -171,18 +171,28 @@ def _files(
     clash = sorted({n for n in names if names.count(n) > 1})
     if clash:
         raise src.PortError(f"two ported classes are both named {clash[0]}")
-    stems = {c.__module__: nnx_stem(c.__module__) for c in ported}
+    functions = {f.function: f for c in done if c.emitted is not None for f in c.emitted.functions}
+    homes = {c.__module__ for c in ported} | {f.__module__ for f in functions}
+    stems = {m: nnx_stem(m) for m in homes}
     if len(set(stems.values())) != len(stems):
         raise src.PortError(f"two ported modules share a file name: {sorted(stems)}")
     files: dict[str, str] = {}
     collections: dict[str, tuple[str, str]] = {}
-    for module_name in dict.fromkeys(c.cls.__module__ for c in done if c.emitted is not None):
+    order = [c.cls.__module__ for c in done if c.emitted is not None]
+    for module_name in dict.fromkeys([*(f.__module__ for f in functions), *order]):
         here = sorted(
             (c for c in done if c.emitted is not None and c.cls.__module__ == module_name),
             key=lambda c: inspect.getsourcelines(c.cls)[1],
         )
+        written = sorted(
+            (f for f in functions.values() if f.function.__module__ == module_name),
+            key=lambda f: f.function.__code__.co_firstlineno,
+        )
         bodies = [c.emitted.code for c in here]
         elsewhere = {c.__name__: stems[c.__module__] for c in ported if c.__module__ != module_name}
+        elsewhere |= {
+            f.__name__: stems[f.__module__] for f in functions if f.__module__ != module_name
+        }
         elsewhere |= {kind: stem for stem, kind in collections.values()}
         defined = []
         for c in here:
@@ -190,15 +200,19 @@ def _files(
                 if collection not in collections:
                     collections[collection] = (nnx_stem(module_name), kind)
                     defined.append(variable_class(kind, collection))
-        module = inspect.getmodule(here[0].cls)
+        module = inspect.getmodule(here[0].cls if here else written[0].function)
         needs = set().union(*(c.emitted.needs for c in here))
-        own = {c.cls.__name__ for c in here} | {
-            kind for stem, kind in collections.values() if stem == nnx_stem(module_name)
-        }
-        head = imports(module, bodies, own, elsewhere, needs)
-        called = set().union(*(c.emitted.helpers for c in here))
+        own = {c.cls.__name__ for c in here} | {f.function.__name__ for f in written}
+        own |= {kind for stem, kind in collections.values() if stem == nnx_stem(module_name)}
+        head = imports(module, [*bodies, *(f.code for f in written)], own, elsewhere, needs)
+        called = set().union(*(c.emitted.helpers for c in here), *(f.helpers for f in written))
         helpers = sorted({DEFINED_BY.get(h, h) for h in called})
-        bodies = [HELPERS[h] + "\n" for h in helpers] + defined + bodies
+        bodies = (
+            [HELPERS[h] + "\n" for h in helpers]
+            + defined
+            + [f.code.strip() + "\n" for f in written]
+            + bodies
+        )
         files[module_name] = f"{head}\n\n\n" + "\n\n".join(bodies)
     return files, collections
 

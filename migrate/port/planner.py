@@ -14,6 +14,7 @@ from typing import Any
 import flax.linen as nn
 import libcst as cst
 
+from migrate.port import functions as fn
 from migrate.port import rewrite as rw
 from migrate.port import source as src
 from migrate.port.constructors import Constructors
@@ -53,6 +54,9 @@ class Planner(Constructors):
         self.needs: set[tuple[str, str]] = set()
         self.variable_types: dict[str, str] = {}  # a Linen collection -> its Variable class
         self.variable_reads: set[str] = set()  # `self.ema`, `ema`: a Variable's `.value` read
+        self.functions: dict[Any, fn.FunctionPort] = {}  # the user's functions ported beside it
+        self.stacked: dict[str, tuple[str, str]] = {}  # attribute -> its stacked size and axis
+        self.helpers: set[str] = set()  # `ported.HELPERS` its constructors call
 
     def literal(self, value: Any) -> str | None:
         """`literal(value)`, the classes it names imported by the port."""
@@ -206,6 +210,13 @@ class Planner(Constructors):
             if child is not None and site.target is not None and child.cls is not site.target:
                 child = None  # the branch the trace did not take
             expression, form = self.constructor(site, child)
+            if expression is not None and site.assigned in self.stacked and not site.in_loop:
+                size, axis_name = self.stacked[site.assigned]
+                expression = (
+                    f"stacked_modules(lambda rngs: {expression}, {size}, {axis_name}, rngs)"
+                )
+                form = f"{form}, stacked"
+                self.helpers.add("stacked_modules")
             if expression is None:
                 self.self_edits[id(site.node)] = rw.SelfEdit(cst.Name("None"), form)
                 form = "stub"
@@ -224,19 +235,89 @@ class Planner(Constructors):
                 names[site.assigned] = placed
         self.placed += [p for placed in names.values() for p in placed]
 
+    # The user's functions applying Linen lifted transforms --------------------------------
+
+    def lifted_calls(self) -> None:
+        """Each call of a function of the user's that applies a Linen lifted transform: the
+        function ported beside the class (`functions.py`), the submodule whose variables it
+        stacks built stacked (`stacked_modules`); or the call marked, the class's Linen code."""
+        for call in self.source.self_calls:
+            if call.function is None:
+                continue
+            ported = fn.port(call.function)
+            why = ported.refusal or self.stack(call, ported)
+            if why is not None:
+                self.mark(call, call.method, f"{why}: port it by hand", linen_code=True)
+                continue
+            for needed in ported.needed():
+                self.functions[needed.function] = needed
+
+    def stack(self, call: src.SelfCall, ported: fn.FunctionPort) -> str | None:
+        """Where the function stacks the variables of the module handed to it, the size and
+        axis name the submodule handed is built with: the call's own expressions for them
+        where `__init__` can evaluate those to the traced values, else the traced values.
+        Why it cannot be (None: it can, or nothing is stacked)."""
+        stacking = ported.stacking
+        if stacking is None:
+            return None
+        function = call.function
+        handed = (
+            fn.bound_argument(function, call.node, stacking.parameter)
+            if stacking.parameter is not None
+            else None
+        )
+        attribute = src.self_attribute(handed) if handed is not None else None
+        if attribute is None or self.source.style != "setup":
+            return "the module it stacks is not a submodule made in setup (self.NAME)"
+        traced_size, traced_name = (
+            self.trace.stacked(attribute) if self.trace is not None else (None, None)
+        )
+        texts = []
+        for expression, traced in ((stacking.size, traced_size), (stacking.axis_name, traced_name)):
+            text = self.call_text(call, function, expression)
+            if text is not None and (traced_size is None or self.evaluate(text) == traced):
+                texts.append(text)  # verified where the submodule was traced
+            elif traced is not None or expression is None:
+                texts.append(repr(traced))
+            else:
+                return "its stacked size or axis name cannot be evaluated in __init__"
+        if texts[0] == "None":
+            return "the stacked size is neither given nor traced"
+        self.stacked[attribute] = (texts[0], texts[1])
+        return None
+
+    def call_text(
+        self, call: src.SelfCall, function: Any, expression: cst.BaseExpression | None
+    ) -> str | None:
+        """The expression the function's `expression` (a parameter of it) takes at `call`,
+        as `__init__` evaluates it: the locals of the method making the call substituted;
+        None where it is no parameter, not passed, or reads values of the call."""
+        if not isinstance(expression, cst.Name):
+            return None
+        given = fn.bound_argument(function, call.node, expression.value)
+        method = _enclosing(self.source.class_def, call.node)
+        if given is None or method is None:
+            return None
+        values: dict[str, cst.BaseExpression] = {}
+        for name, local in rw.locals_of(method).items():
+            substituted = rw.substitute(local.value, values)
+            if src.is_static(substituted, self.scope):
+                values[name] = substituted
+        substituted = rw.substitute(given, values)
+        return code_of(substituted) if src.is_static(substituted, self.scope) else None
+
     # self.param, self.sow and the rest of Linen's own methods -------------------------------
 
     def self_calls(self) -> None:
         for call in self.source.self_calls:
+            if call.function is not None:
+                continue  # `lifted_calls`
             if call.method == "param":
                 self.param(call)
             elif call.method == "variable":
                 self.variable(call)
             elif call.method == "sow":
                 self.sow(call)
-            elif call.lifted:
-                note = "a Linen lifted transform on a module: port it by hand (nnx.scan, nnx.vmap)"
-                self.mark(call, call.method, note, linen_code=True)
             elif call.method in src.LINEN_ONLY or isinstance(call.node, cst.Attribute):
                 note = "Linen-only API, left as written: port it by hand"
                 self.mark(call, f"self.{call.method}", note, linen_code=True)
@@ -345,9 +426,29 @@ class Planner(Constructors):
                 and isinstance(c.node.args[1].value, cst.Name)
                 and c.node.args[1].value.value == init.value
             )  # fmt: skip
-            if uses == local.reads:
+            whole = isinstance(local.statement.body[0].targets[0].target, cst.Name)
+            if uses == local.reads and whole:
                 self.dropped.add(id(local.statement))
         return partitioned
+
+
+def _enclosing(class_def: cst.ClassDef, node: cst.CSTNode) -> cst.FunctionDef | None:
+    """The method of `class_def` whose body holds `node`."""
+
+    class Find(cst.CSTVisitor):
+        found = False
+
+        def on_visit(self, visited: cst.CSTNode) -> bool:
+            self.found = self.found or visited is node
+            return not self.found
+
+    for method in class_def.body.body:
+        if isinstance(method, cst.FunctionDef):
+            finder = Find()
+            method.visit(finder)
+            if finder.found:
+                return method
+    return None
 
 
 def _partitioned(init: cst.BaseExpression, scope: Mapping[str, Any]) -> tuple[str, str] | None:

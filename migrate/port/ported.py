@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import libcst as cst
 
@@ -90,6 +91,57 @@ def vmap_class(cls, *, axis_size, in_axes=0, out_axes=0, variable_axes=None, spl
 
     stacked.__call__ = __call__
     return stacked''',
+    "stacked_modules": '''def stacked_modules(create, size, axis_name, rngs):
+    """`size` modules from `create(rngs)`, each with its own keys, their variables stacked on a
+    leading axis (named `axis_name` in the sharding metadata where not None): the submodule a
+    Linen transform with `variable_axes={...: 0}` stacks, as NNX builds it."""
+    metadata = {nnx.PARTITION_NAME: axis_name} if axis_name is not None else {}
+
+    @nnx.split_rngs(splits=size)
+    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=size, transform_metadata=metadata)
+    def build(rngs):
+        return create(rngs)
+
+    return build(rngs)''',
+    "function_transforms": '''def _leading(variable_axes, metadata_params):
+    """The sharding metadata of the stacked axis; only a leading axis is ported."""
+    if any(axis != 0 for axis in (variable_axes or {}).values()):
+        raise NotImplementedError(f"variable_axes={variable_axes}: only a leading axis is ported")
+    name = (metadata_params or {}).get(nnx.PARTITION_NAME)
+    return {nnx.PARTITION_NAME: name} if name is not None else {}
+
+
+def scan_function(fn, *, length=None, in_axes=0, out_axes=0, variable_axes=None,
+                  split_rngs=None, metadata_params=None, **options):
+    """`nn.scan(fn, ...)` of a function `fn(module, carry, *xs) -> (carry, ys)` in NNX: the
+    module's variables (stacked on a leading axis: `stacked_modules`) scanned by `nnx.scan`
+    with the carry, `in_axes` for `xs` (`None`: broadcast, Linen's `nn.broadcast`)."""
+    del split_rngs  # the module's keys were split where it was stacked
+    metadata = _leading(variable_axes, metadata_params)
+
+    def scanned(module, carry, *xs):
+        ins = in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(xs)
+        step = nnx.scan(fn, in_axes=(0, nnx.Carry, *ins), out_axes=(nnx.Carry, out_axes),
+                        length=length, transform_metadata=metadata, **options)
+        return step(module, carry, *xs)
+
+    return scanned
+
+
+def vmap_function(fn, *, in_axes=0, out_axes=0, axis_size=None, variable_axes=None,
+                  split_rngs=None, metadata_params=None, **options):
+    """`nn.vmap(fn, ...)` of a function `fn(module, *xs)` in NNX: the module's variables
+    (stacked on a leading axis: `stacked_modules`) mapped by `nnx.vmap` with `xs`."""
+    del split_rngs  # the module's keys were split where it was stacked
+    metadata = _leading(variable_axes, metadata_params)
+
+    def mapped(module, *xs):
+        ins = in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(xs)
+        apply = nnx.vmap(fn, in_axes=(0, *ins), out_axes=out_axes, axis_size=axis_size,
+                         transform_metadata=metadata, **options)
+        return apply(module, *xs)
+
+    return mapped''',
 }
 # The helpers a rewritten Linen transform of a class calls, and the one defining them.
 CLASS_TRANSFORMS = {
@@ -99,7 +151,12 @@ CLASS_TRANSFORMS = {
     "scan": "scan_class",
     "vmap": "vmap_class",
 }
-DEFINED_BY = {"scan_class": "stacked_class", "vmap_class": "stacked_class"}
+DEFINED_BY = {
+    "scan_class": "stacked_class",
+    "vmap_class": "stacked_class",
+    "scan_function": "function_transforms",
+    "vmap_function": "function_transforms",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +196,7 @@ class Emitted:
     needs: frozenset[tuple[str, str]] = frozenset()  # (module, name) its traced values name
     helpers: frozenset[str] = frozenset()  # functions of `HELPERS` the class calls
     variable_types: Mapping[str, str] = dataclasses.field(default_factory=dict)  # collection
+    functions: tuple[Any, ...] = ()  # `functions.FunctionPort`s of the user's functions it calls
 
 
 def snake(name: str) -> str:

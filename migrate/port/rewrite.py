@@ -18,7 +18,6 @@ from migrate.port.ported import code_of
 from migrate.port.source import (
     ClassSource,
     is_compact,
-    names_in,
     names_read,
     resolve,
     self_attribute,
@@ -35,17 +34,17 @@ class Local:
 
 
 def locals_of(function: cst.FunctionDef) -> dict[str, Local]:
-    """The names `function` assigns exactly once (`name = value`), with their reads."""
-    assigned: dict[str, list[tuple[cst.SimpleStatementLine, cst.BaseExpression]]] = {}
+    """The names `function` assigns exactly once (`name = value`, or as one of a tuple of
+    names given a tuple of values: `cfg, rules = self.config, self.rules`), with their reads."""
+    assigned: dict[str, list[tuple[cst.SimpleStatementLine, cst.BaseExpression | None]]] = {}
     reads: dict[str, int] = {}
 
     class Visitor(cst.CSTVisitor):
         def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> None:
             for small in node.body:
                 if isinstance(small, cst.Assign):
-                    for target in small.targets:
-                        for name in names_in(target.target):
-                            assigned.setdefault(name, []).append((node, small.value))
+                    for name, value in _pairs(small):
+                        assigned.setdefault(name, []).append((node, value))
 
         def visit_Assign(self, node: cst.Assign) -> bool:
             node.value.visit(self)
@@ -58,10 +57,29 @@ def locals_of(function: cst.FunctionDef) -> dict[str, Local]:
     single = {}
     for name, found in assigned.items():
         statement, value = found[0]
-        simple = len(statement.body) == 1 and len(statement.body[0].targets) == 1
-        if len(found) == 1 and simple and isinstance(statement.body[0].targets[0].target, cst.Name):
+        if len(found) == 1 and len(statement.body) == 1 and value is not None:
             single[name] = Local(statement, value, reads.get(name, 0))
     return single
+
+
+def _pairs(assign: cst.Assign) -> list[tuple[str, cst.BaseExpression | None]]:
+    """Each name an assignment binds and the value it gives that name alone (None where it
+    gives none: several targets, a starred or nested target, an unpacked value)."""
+    names = [n.value for t in assign.targets for n in names_read(t.target)]
+    if len(assign.targets) != 1:
+        return [(n, None) for n in names]
+    target, value = assign.targets[0].target, assign.value
+    if isinstance(target, cst.Name):
+        return [(target.value, value)]
+    elements = target.elements if isinstance(target, cst.Tuple) else None
+    values = value.elements if isinstance(value, cst.Tuple) else None
+    if (
+        elements is None or values is None or len(elements) != len(values)
+        or not all(isinstance(e.value, cst.Name) for e in elements)
+        or any(isinstance(v, cst.StarredElement) for v in values)
+    ):  # fmt: skip
+        return [(n, None) for n in names]
+    return [(e.value.value, v.value) for e, v in zip(elements, values, strict=True)]
 
 
 def substitute(node: cst.BaseExpression, values: Mapping[str, cst.BaseExpression]) -> Any:

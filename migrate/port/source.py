@@ -57,7 +57,7 @@ class SelfCall:
     line: int
     method: str
     assigned: str | None = None  # in `setup`: `self.NAME = self.param(...)`
-    lifted: bool = False  # `method`: a function of the user's applying a lifted transform
+    function: Any = None  # a function of the user's applying a lifted transform, called
     local: str | None = None  # in a compact `__call__`: `NAME = self.variable(...)`
 
 
@@ -129,12 +129,13 @@ def read(cls: type) -> ClassSource:
     for attribute in finder.attributes:
         if attribute.method not in own:
             finder.self_calls.append(attribute)
-    for handing, function in finder.handed:
-        transform = lifted_transform(function)
-        if transform is not None:
-            idiom = f"{function.__name__}(self...) applies nn.{transform.__name__} to a submodule"
-            line = finder._line(handing)
-            finder.self_calls.append(SelfCall(handing, line, idiom, lifted=True))
+    for calling, function in finder.handed:
+        transforms = lifted_transforms(function) if own_function(function, module) else ()
+        if transforms:
+            applied = ", ".join(f"nn.{t.__name__}" for t in transforms)
+            idiom = f"{function.__name__}(...) applies {applied}"
+            line = finder._line(calling)
+            finder.self_calls.append(SelfCall(calling, line, idiom, function=function))
     return ClassSource(
         cls, module, first, class_def, call, fields, tuple(finder.sites),
         tuple(finder.self_calls), setup, class_locals,
@@ -204,26 +205,54 @@ def is_static(node: cst.CSTNode, scope: Mapping[str, Any]) -> bool:
     return all(n == "self" or n in scope or hasattr(builtins, n) for n in names_in(node))
 
 
+def own_function(value: Any, home: types.ModuleType) -> bool:
+    """A plain function defined in `home`'s package (the user's code, not a library's)."""
+    if not isinstance(value, types.FunctionType) or value.__module__ is None:
+        return False
+    return value.__module__.split(".")[0] == home.__name__.split(".")[0]
+
+
 @functools.lru_cache(maxsize=256)
-def lifted_transform(function: Any) -> Any:
-    """The Linen lifted transform (`nn.scan`, `nn.vmap`, ...) a function of the user's code
-    calls, if any: one it applies to a module handed to it has no NNX form by rewriting."""
-    if function.__module__.split(".")[0] in ("flax", "jax"):
-        return None
+def parsed_function(function: Any) -> cst.FunctionDef | None:
+    """A function's source, parsed (None where it cannot be read)."""
     try:
         tree = cst.parse_module(textwrap.dedent(inspect.getsource(function)))
     except (OSError, TypeError, cst.ParserSyntaxError):
         return None
+    found = tree.body[0] if tree.body else None
+    return found if isinstance(found, cst.FunctionDef) else None
+
+
+def called_by(function: Any) -> list[Any]:
+    """What each call in a function's source calls, resolved in its module."""
+    parsed = parsed_function(function)
+    if parsed is None:
+        return []
     scope = vars(inspect.getmodule(function) or builtins)
     found: list[Any] = []
 
     class Calls(cst.CSTVisitor):
         def visit_Call(self, node: cst.Call) -> None:
-            if resolve(node.func, scope) in TRANSFORMS:
-                found.append(resolve(node.func, scope))
+            found.append(resolve(node.func, scope))
 
-    tree.visit(Calls())
-    return found[0] if found else None
+    parsed.visit(Calls())
+    return found
+
+
+def lifted_transforms(function: Any, seen: frozenset = frozenset()) -> tuple[Any, ...]:
+    """The Linen lifted transforms (`nn.scan`, `nn.vmap`, ...) a function of the user's code
+    applies, itself or through the user's functions it calls, in the order its source calls
+    them (none: a plain function)."""
+    if function in seen or function.__module__.split(".")[0] in ("flax", "jax"):
+        return ()
+    home = inspect.getmodule(function)
+    found: dict[Any, None] = {}
+    for called in called_by(function):
+        if called in TRANSFORMS:
+            found[called] = None
+        elif home is not None and own_function(called, home):
+            found.update(dict.fromkeys(lifted_transforms(called, seen | {function})))
+    return tuple(found)
 
 
 def holding_classes(function: cst.FunctionDef, scope: Mapping[str, Any]) -> dict[str, type]:
@@ -269,7 +298,7 @@ class _Finder(cst.CSTVisitor):
         self.class_locals: Mapping[str, type] = {}
         self.sites_too = True
         self.attributes: list[SelfCall] = []
-        self.handed: list[tuple[cst.Call, Any]] = []  # a submodule handed to a function
+        self.handed: list[tuple[cst.Call, Any]] = []  # a function called
         self.called: set[int] = set()  # `self.is_initializing` in `self.is_initializing()`
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
@@ -311,9 +340,7 @@ class _Finder(cst.CSTVisitor):
             )
             return
         target = resolve(func, self.scope)
-        if isinstance(target, types.FunctionType) and any(
-            self_attribute(a.value) is not None for a in node.args
-        ):
+        if isinstance(target, types.FunctionType):
             self.handed.append((node, target))
         if not self.sites_too:
             return

@@ -40,6 +40,8 @@ class Trace:
     variables: Mapping[str, Mapping[Path, jax.ShapeDtypeStruct]]
     stochastic: bool
     root: Path = ()
+    # The sharding names of each boxed variable (`nn.with_logical_partitioning`), by collection.
+    partitions: Mapping[str, Mapping[Path, tuple]] = dataclasses.field(default_factory=dict)
 
     @property
     def module(self) -> Child:
@@ -55,12 +57,34 @@ class Trace:
 
     def at(self, name: str) -> Trace:
         """The trace of the direct submodule `name`: its tree and its variables."""
-        variables = {
-            collection: {path[1:]: leaf for path, leaf in leaves.items() if path[0] == name}
-            for collection, leaves in self.variables.items()
+        return Trace(
+            self.nodes,
+            _under(self.variables, name),
+            self.stochastic,
+            (*self.root, name),
+            _under(self.partitions, name),
+        )
+
+    def stacked(self, name: str) -> tuple[int | None, str | None]:
+        """The leading size every parameter under the submodule `name` shares, and the
+        sharding name every boxed one gives that axis (None where they differ or there is
+        none): what a Linen transform stacking its variables made of them."""
+        params = _under(self.variables, name).get("params", {})
+        sizes = {leaf.shape[0] if leaf.shape else None for leaf in params.values()}
+        names = {
+            n[0] if n else None for n in _under(self.partitions, name).get("params", {}).values()
         }
-        variables = {c: leaves for c, leaves in variables.items() if leaves}
-        return Trace(self.nodes, variables, self.stochastic, (*self.root, name))
+        size = sizes.pop() if len(sizes) == 1 else None
+        return size, (names.pop() if len(names) == 1 else None)
+
+
+def _under(tree: Mapping[str, Mapping[Path, Any]], name: str) -> dict[str, dict[Path, Any]]:
+    """Per collection, the entries under the submodule `name`, their paths below it."""
+    out = {
+        collection: {path[1:]: leaf for path, leaf in leaves.items() if path[0] == name}
+        for collection, leaves in tree.items()
+    }
+    return {c: leaves for c, leaves in out.items() if leaves}
 
 
 def fields_of(cls: type | nn.Module) -> list[str]:
@@ -130,6 +154,12 @@ def trace(
         variables = jax.eval_shape(
             lambda *args: module.init(keys, *args, method=method, **kwargs), *inputs
         )
+    boxed = lambda x: isinstance(x, meta.Partitioned)
+    partitions: dict[str, dict[Path, tuple]] = {}
+    for keys, leaf in jax.tree_util.tree_flatten_with_path(variables, is_leaf=boxed)[0]:
+        if boxed(leaf):
+            path = tuple(str(k.key) for k in keys)
+            partitions.setdefault(path[0], {})[path[1:]] = tuple(leaf.names)
     variables = meta.unbox(variables)
 
     nodes: dict[Path, Child] = {}
@@ -148,4 +178,4 @@ def trace(
 
     add((), built[()])
     flat = {collection: _flat(tree) for collection, tree in variables.items()}
-    return Trace(nodes, flat, stochastic)
+    return Trace(nodes, flat, stochastic, partitions=partitions)
