@@ -4,13 +4,16 @@ modules, recurrentgemma's Flax Linen model (every layer, then the whole Griffin)
 the time (trace, writing, gate). The table of docs/port.md.
 
     PYTHONPATH=. python bench/port_corpus.py [--site DIR] [--maxtext_site DIR] [--only TEXT]
+    PYTHONPATH=. python bench/port_corpus.py --configs    # the twins' decoder on each config
 
 recurrentgemma's rows need it installed (`pip install --no-deps --target DIR
 recurrentgemma==1.0.1 einops jaxtyping wadler_lindig typeguard==2.13.3 sentencepiece`, then
 `--site DIR`); MaxText's need its 0.2.3 environment (`make maxtext-envs`), whose packages go
 last on the path (its jax and flax are the project's pins). A row whose package is missing is
 listed as skipped. Every row runs in this process, one port after another, on 8 simulated CPU
-devices; the output folders are temporary.
+devices (16 for `llama2-tiny-4d`: `XLA_FLAGS=--xla_force_host_platform_device_count=16`); the
+output folders are temporary. `--configs` ports the twins' whole Linen decoder, pipelined and as
+the reference, on every shipped tiny config instead.
 """
 
 from __future__ import annotations
@@ -110,6 +113,18 @@ ROWS = (
 )  # fmt: skip
 
 
+def config_rows() -> tuple[Row, ...]:
+    """The twins' decoder, pipelined and as the reference, on each shipped tiny config."""
+    names = sorted(p.stem for p in (ROOT / "configs").glob("*-tiny*.yml"))
+    return tuple(
+        Row(f"twins ({name})", f"{TWINS}.decoder:Decoder", "int32[16,16]",
+            fields_from=f"{CORPUS}:twin_{name.replace('-', '_')}{suffix}",
+            label=f"Decoder ({kind})")
+        for name in names
+        for kind, suffix in (("pipelined", ""), ("reference", "_reference"))
+    )  # fmt: skip
+
+
 def run(row: Row, out: Path) -> dict[str, Any]:
     """Port `row` into `out`; what came of it."""
     from migrate.errors import BadInput
@@ -146,7 +161,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--site", help="a folder holding recurrentgemma and its imports")
     parser.add_argument("--maxtext_site", default=str(MAXTEXT_SITE))
-    parser.add_argument("--only", help="the rows whose target or label contains this")
+    parser.add_argument("--only", help="the rows whose group, target or label contains this")
+    parser.add_argument("--configs", action="store_true", help="the twins on every config")
     args = parser.parse_args()
     if args.site:
         sys.path.insert(0, args.site)
@@ -156,8 +172,8 @@ def main() -> None:
     print("| group | module | result | classes ported | bridged | stubs | trace, write, gate (s) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory(prefix="port-corpus-") as scratch:
-        for i, row in enumerate(ROWS):
-            if args.only and args.only not in f"{row.target} {row.label}":
+        for i, row in enumerate(config_rows() if args.configs else ROWS):
+            if args.only and args.only not in f"{row.group} {row.target} {row.label}":
                 continue
             found = run(row, Path(scratch) / str(i))
             seconds = found.get("seconds", {})

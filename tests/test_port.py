@@ -9,7 +9,6 @@ import sys
 import textwrap
 
 import pytest
-from conftest import CONFIG_DIR
 from test_migrate_cli import migrate
 
 from migrate import cli, errors
@@ -380,6 +379,18 @@ def tilted(cell, x):
                    length=2)(cell, x, None)
 
 
+class InMethod(nn.Module):
+    def setup(self):
+        self.cell = Cell(4)
+
+    def __call__(self, x):
+        scanned = nn.scan(
+            lambda m, c, _: (m(c, 1.0), None), variable_axes={"params": 0},
+            split_rngs={"params": True}, length=2, metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        return scanned(self.cell, x, None)[0]
+
+
 class Stack(nn.Module):
     width: int = 4
     depth: int = 3
@@ -392,6 +403,62 @@ class Stack(nn.Module):
         depth = self.depth
         y, sums = scan_cells(self.cells, x, 0.5, depth, "layers")
         return map_heads(self.heads, jnp.stack([y, -y])), sums
+"""
+
+
+FUNCTIONAL = """
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+class Cell(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+        return jnp.tanh(x @ self.param("kernel", init, (self.width, self.width)))
+
+
+class Cells(nn.Module):
+    width: int
+    depth: int = 2
+
+    def setup(self):
+        for i in range(self.depth):
+            setattr(self, f"cell_{i}", Cell(self.width))
+        self.drop = nn.Dropout(0.5)
+
+    def __call__(self, x):
+        for i in range(self.depth):
+            x = getattr(self, f"cell_{i}")(x)
+        return self.drop(x, deterministic=True, rng=jax.random.key(0))
+
+
+def stacked(stages):
+    return nn.vmap(
+        Cells, in_axes=0, out_axes=0, axis_size=stages, variable_axes={"params": 0},
+        split_rngs={"params": True}, metadata_params={nn.PARTITION_NAME: "stage"},
+    )
+
+
+class Functional(nn.Module):
+    width: int = 4
+    stages: int = 2
+
+    def setup(self):
+        self.cells = stacked(self.stages)(self.width)
+
+    def __call__(self, x):
+        if self.is_initializing():
+            return self.cells(x)
+        template = Cells(self.width, parent=None)
+        weights = nn.meta.unbox(self.variables["params"]["cells"])
+        specs = nn.get_partition_spec(self.variables["params"]["cells"])
+        names = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+        scale = sum(n[0] == "stage" for n in names)
+        return jax.vmap(lambda w, x: template.apply({"params": w}, x))(weights, x) * scale
 """
 
 
@@ -677,7 +744,7 @@ def test_scanned_and_vmapped_classes_become_stacked_nnx_modules(passing_port):
 
 
 def test_functions_applying_lifted_transforms_to_a_submodule_are_ported_beside_it(
-    passing_port,
+    passing_port, tmp_path
 ):
     """`scan_cells(self.cells, ...)` applies `nn.scan` (and, through `checkpointed`,
     `nn.remat`) to a function of the module handed to it, `map_heads` `nn.vmap`: both are
@@ -685,7 +752,8 @@ def test_functions_applying_lifted_transforms_to_a_submodule_are_ported_beside_i
     they stack built stacked in `__init__`, with the size and axis name written as the call
     gives them where `__init__` can evaluate that (`self.depth`, `"layers"`), else as traced
     (2 heads); bit-exact, the stacked axis named in the sharding. A function stacking on
-    another axis than 0 is not ported, and says why."""
+    another axis than 0 is not ported, and says why; a transform of a function inside a
+    method is marked as such."""
     from migrate.port import functions
 
     result = passing_port("port_helpers", SCANNED_BY_HELPERS, "Stack", "float32[5,4]")
@@ -715,6 +783,37 @@ def test_functions_applying_lifted_transforms_to_a_submodule_are_ported_beside_i
     assert functions.port(module.tilted).refusal == (
         'variable_axes={"params": 1}: only a leading axis 0 is ported'
     )
+    in_method = command.port(module.InMethod, "float32[5,4]", tmp_path / "in_method")
+    assert in_method.status == 1  # the transform left as written: the gate says so
+    (stub,) = in_method.stubs
+    assert stub.idiom == "nn.scan of a function" and "inside a method" in stub.note
+
+
+def test_linen_functional_application_ports_to_nnx_state_and_merge(passing_port):
+    """Linen's functional idioms, each in its NNX form: `if self.is_initializing():` (NNX has
+    no init pass: the branch is dropped), a function returning `nn.vmap` of a class
+    (`vmap_class`, the class ported), `self.variables["params"]["cells"]` ->
+    `nnx.state(self.cells, nnx.Param)`, `nn.meta.unbox` (an NNX Variable is its own box) and
+    `nn.get_partition_spec` -> NNX's, an unbound `Cells(..., parent=None)` applied by
+    `.apply({"params": w}, x)` -> a `GraphDef` merged with `w`; submodules `setattr` in a
+    setup loop; a dropout given its key at every call holds no key stream. Bit-exact."""
+    result = passing_port("port_functional", FUNCTIONAL, "Functional", "float32[2,3,4]")
+    code = result.nnx_path.read_text()
+    assert "is_initializing" not in code and "self.cells(x)" not in code
+    assert "self.cells = stacked(self.stages)(self.width, rngs=rngs)" in code
+    assert "return vmap_class(" in code
+    assert "weights = nnx.state(self.cells, nnx.Param)" in code
+    assert "specs = nnx.get_partition_spec(nnx.state(self.cells, nnx.Param))" in code
+    assert "template = module_template(lambda rngs: Cells(self.width, rngs=rngs))" in code
+    assert "nnx.merge(template, w)(x)" in code
+    assert 'setattr(self, f"cell_{i}", Cell(self.width, rngs=rngs))' in code
+    assert "self.drop = nnx.Dropout(rate=0.5)" in code
+    assert not result.stubs
+    kernel = next(
+        e for e in json.loads(result.weight_map_path.read_text())["entries"]
+        if e["linen"] == "params/cells/cell_1/kernel"
+    )  # fmt: skip
+    assert kernel["shape"] == [2, 4, 4] and kernel["nnx"] == "cells/cell_1/kernel"
 
 
 def test_classes_from_another_file_of_the_package_are_ported_into_their_own_file(
@@ -742,41 +841,43 @@ def test_classes_from_another_file_of_the_package_are_ported_into_their_own_file
 
 
 @pytest.mark.slow
-def test_the_twins_decoder_ports_with_its_pipeline_bridged(tmp_path, monkeypatch):
-    """The whole twins' Linen decoder: as the non-pipelined reference, every class ported and
+def test_the_twins_decoder_ports_whole_pipeline_included(tmp_path, monkeypatch):
+    """The whole twins' Linen decoder ports to a bit-exact gate with no stub and no hand edit.
+    Pipelined: Linen's functional pipeline in NNX (`stacked_stages`' nested `nn.vmap` of
+    `StageLayers` as `vmap_class`, the weights read as `nnx.state`, the stage applied by
+    `nnx.merge` of a template, the init-only branch dropped). As the non-pipelined reference:
     its layers, scanned by the helper `scan_layers` (`nn.scan` of a function of the module,
     through `remat_layer`'s `nn.remat`), built stacked on the `layers` axis and scanned by the
-    helper's port in `pipeline_nnx.py`: a bit-exact gate with no stub. Pipelined, its layers
-    ported and the pipeline (Linen-only code) bridged, a bit-exact gate."""
+    helper's port in `pipeline_nnx.py`."""
     from migrate.linen import decoder
 
-    reference = command.port(
-        decoder.Decoder, "int32[16,16]", tmp_path / "reference",
-        fields_from="migrate.port.corpus:llama2_tiny_reference",
-    )  # fmt: skip
-    assert reference.status == 0, reference.gate.report
-    code = reference.nnx_path.read_text()
-    assert (
-        "self.layers = stacked_modules(lambda rngs: DecoderLayer(cfg, self.mesh, rngs=rngs), "
-        "self.config.base_num_decoder_layers, axes.REFERENCE_LAYERS, rngs)" in code
-    )
-    assert "from pipeline_nnx import scan_layers" in code
-    helpers = (tmp_path / "reference" / "pipeline_nnx.py").read_text()
-    assert "def scan_layers(" in helpers and "def remat_layer(" in helpers
-    assert "class Pipeline" not in helpers
-    assert not [s for s in reference.stubs if "never built" not in s.note]
     pipelined = command.port(
         decoder.Decoder, "int32[16,16]", tmp_path / "pipelined",
         fields_from="migrate.port.corpus:llama2_tiny",
     )  # fmt: skip
     assert pipelined.status == 0, pipelined.gate.report
-    refused = {c.cls.__name__: c.refused for c in pipelined.classes if c.refused}
-    source = (CONFIG_DIR.parent / "migrate" / "linen" / "pipeline.py").read_text().splitlines()
-    line = next(i for i, text in enumerate(source, 1) if "stacked_stages(cfg)(" in text)
-    assert refused == {"Pipeline": f"line {line}: stacked_stages(...) applies nn.vmap"}
-    code = pipelined.nnx_path.read_text()
-    assert "# migrate port: STUB (Linen line 42): Pipeline(...)" in code
-    assert "self.pipeline = nnx.bridge.lazy_init(nnx.bridge.ToNNX(Pipeline(" in code
+    assert not pipelined.stubs and not [c for c in pipelined.classes if c.refused]
+    assert {"Pipeline", "StageLayers"} <= {c.cls.__name__ for c in pipelined.classes}
+    code = (tmp_path / "pipelined" / "pipeline_nnx.py").read_text()
+    assert "self.layers = stacked_stages(cfg)(cfg, self.mesh, rngs=rngs)" in code
+    assert "stage = module_template(lambda rngs: StageLayers(cfg, self.mesh, rngs=rngs))" in code
+    assert "boxed_weights = nnx.state(self.layers, nnx.Param)" in code
+    assert "return nnx.merge(stage, stage_weights)(x, pos, first_layer)" in code
+    assert "is_initializing" not in code and "flax.linen" not in code
+    reference = command.port(
+        decoder.Decoder, "int32[16,16]", tmp_path / "reference",
+        fields_from="migrate.port.corpus:llama2_tiny_reference",
+    )  # fmt: skip
+    assert reference.status == 0, reference.gate.report
+    assert not reference.stubs
+    code = reference.nnx_path.read_text()
+    assert (
+        "self.layers = stacked_modules(lambda rngs: DecoderLayer(cfg, self.mesh, rngs=rngs), "
+        "self.config.base_num_decoder_layers, axes.REFERENCE_LAYERS, rngs)" in code
+    )
+    assert "from pipeline_nnx import Pipeline, scan_layers" in code
+    helpers = (tmp_path / "reference" / "pipeline_nnx.py").read_text()
+    assert "def scan_layers(" in helpers and "def remat_layer(" in helpers
 
 
 @pytest.mark.parametrize(

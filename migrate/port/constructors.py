@@ -11,6 +11,7 @@ import types
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+import flax.linen as nn
 import libcst as cst
 
 from migrate.port import rewrite as rw
@@ -41,6 +42,7 @@ class Constructors:
     literal: Callable[[Any], str | None]
     size: Callable[[Any], str]
     evaluate: Callable[[str], Any]
+    keyed_at_every_call: Callable[[src.Site], bool]
 
     def constructor(self, site: src.Site, child: Child | None) -> tuple[str | None, str]:
         """The NNX expression that builds `site` and its form (None and the stub's mark where
@@ -204,7 +206,10 @@ class Constructors:
                 init_args[nnx_name] = text
         first_input = child.inputs[0] if child.inputs else None
         sizes = [self.size(s) for s in layer.sizes(first_input, child.attributes)]
-        args = [*sizes, *(f"{k}={v}" for k, v in init_args.items()), "rngs=rngs"]
+        # A dropout given its key at every call holds no key stream: its state is its weights'.
+        keyed = layer.linen is nn.Dropout and self.keyed_at_every_call(site)
+        rngs = [] if keyed else ["rngs=rngs"]
+        args = [*sizes, *(f"{k}={v}" for k, v in init_args.items()), *rngs]
         return f"nnx.{layer.nnx.__name__}({', '.join(args)})", None
 
     def call_changes(self, site: src.Site) -> tuple[tuple, Mapping[str, str]]:

@@ -91,6 +91,23 @@ def maxtext_decoder_layer() -> dict[str, Any]:
     return {"config": config, "mesh": mesh, "model_mode": "train"}
 
 
+def __getattr__(name: str) -> Any:
+    """`twin_CONFIG` and `twin_CONFIG_reference` (CONFIG a shipped config's name, `_` for
+    `-`: `twin_llama2_tiny_scan`): the fields of the twins' decoder on that config, pipelined
+    or as the non-pipelined reference, for `--fields_from` (`bench/port_corpus.py --configs`)."""
+    stem = name.removeprefix("twin_")
+    if stem == name or stem.startswith("_"):
+        raise AttributeError(name)
+    reference = stem.endswith("_reference")
+    config = stem.removesuffix("_reference").replace("_", "-")
+
+    def fields() -> dict[str, Any]:
+        return {**twin_fields(config), **({"use_pipeline": False} if reference else {})}
+
+    fields.__name__ = name
+    return fields
+
+
 def llama2_tiny_reference() -> dict[str, Any]:
     """The twins' decoder as the non-pipelined reference (`use_pipeline=False`)."""
     return {**llama2_tiny(), "use_pipeline": False}

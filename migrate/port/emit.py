@@ -83,6 +83,8 @@ def emit(
             ported=ported_names,
             class_locals=held,
             variable_reads=frozenset(planner.variable_reads),
+            branches=planner.branches,
+            call_renamed=planner.call_renamed,
         )
         return rw.Edits(**{**common, **changes}, helpers=helpers)
 

@@ -19,6 +19,7 @@ import flax.linen as nn
 import libcst as cst
 from flax import nnx
 
+from migrate.port import ported
 from migrate.port import source as src
 from migrate.port.ported import code_of
 
@@ -65,6 +66,7 @@ class FunctionPort:
     calls: tuple[Callable, ...] = ()  # the user's functions its code calls, ported too
     helpers: frozenset[str] = frozenset()  # `ported.HELPERS` it calls
     stacking: Stacking | None = None
+    classes: tuple[type, ...] = ()  # the classes it transforms: their ports must exist
 
     def needed(self) -> tuple[FunctionPort, ...]:
         """This port and those of the functions it calls, each once, callees first."""
@@ -99,6 +101,7 @@ def port(function: Callable) -> FunctionPort:
         tuple(writer.calls),
         frozenset(writer.helpers),
         writer.stacking,
+        tuple(writer.transformed),
     )
 
 
@@ -114,11 +117,18 @@ class _Writer(cst.CSTTransformer):
         self.calls: list[Callable] = []
         self.helpers: set[str] = set()
         self.stacking: Stacking | None = None
+        self.transformed: list[type] = []  # the classes it applies a transform to
         self.products: dict[str, cst.Call] = {}  # `scanned = nn.scan(...)`: local -> transform
-        for statement in _assignments(parsed):
-            target, value = statement
+        self.classes: set[str] = set()  # locals holding a transformed class
+        for target, value in _assignments(parsed):
             if isinstance(value, cst.Call) and src.resolve(value.func, self.scope) in STACKING:
                 self.products[target] = value
+            if isinstance(value, cst.Call) and src.resolve(value.func, self.scope) in OPTIONS:
+                first = value.args[0].value if value.args else None
+                if isinstance(src.resolve(first, self.scope), type) or (
+                    isinstance(first, cst.Name) and first.value in self.classes
+                ):
+                    self.classes.add(target)
         self.stacked_calls: dict[int, cst.Call] = {}
         parsed.visit(_ProductCalls(self))
 
@@ -140,15 +150,19 @@ class _Writer(cst.CSTTransformer):
         if not args or args[0].keyword or any(a.keyword is None for a in args[1:]):
             self.refuse(f"{name} with options given by position")
             return updated
-        first = src.resolve(args[0].value, self.scope)
-        if isinstance(first, type):
-            self.refuse(f"{name} of a class inside a function")
-            return updated
         given = {a.keyword.value: a.value for a in args[1:]}
         unknown = sorted(set(given) - OPTIONS[transform])
         if unknown:
             self.refuse(f"{name} with {unknown[0]}=, which has no NNX form here")
             return updated
+        first = args[0].value
+        held = src.resolve(first, self.scope)
+        if isinstance(held, type) or (isinstance(first, cst.Name) and first.value in self.classes):
+            if isinstance(held, type):  # a transform of a class: the port file's helper for it
+                self.transformed.append(held)
+            helper = ported.CLASS_TRANSFORMS[transform.__name__]
+            self.helpers.add(helper)
+            return updated.with_changes(func=cst.Name(helper))
         if transform in STACKING:
             self._stacking(original, transform, given)
             self.helpers.add(STACKING[transform])

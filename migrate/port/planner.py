@@ -18,16 +18,16 @@ from migrate.port import functions as fn
 from migrate.port import rewrite as rw
 from migrate.port import source as src
 from migrate.port.constructors import Constructors
-from migrate.port.layers import imports_for, literal
+from migrate.port.layers import LAYERS, imports_for, literal
+from migrate.port.lifted import LiftedCalls
+from migrate.port.linen_api import VARIABLE_TYPES, LinenApi
 from migrate.port.ported import Placed, Stub, code_of, snake
 from migrate.port.trace import Trace
 
 PARTITIONING = {nn.with_logical_partitioning, nn.with_partitioning}  # -> `out_sharding=`
-# Linen collections NNX has a Variable type for; another one gets a subclass in the port file.
-VARIABLE_TYPES = {"batch_stats": "nnx.BatchStat", "cache": "nnx.Cache", "params": "nnx.Param"}
 
 
-class Planner(Constructors):
+class Planner(Constructors, LiftedCalls, LinenApi):
     """What one Linen class becomes, gathered while its sites and calls are planned."""
 
     def __init__(
@@ -57,6 +57,8 @@ class Planner(Constructors):
         self.functions: dict[Any, fn.FunctionPort] = {}  # the user's functions ported beside it
         self.stacked: dict[str, tuple[str, str]] = {}  # attribute -> its stacked size and axis
         self.helpers: set[str] = set()  # `ported.HELPERS` its constructors call
+        self.branches: dict[int, str] = {}  # `if self.is_initializing():` -> the branch kept
+        self.call_renamed: dict[str, Mapping[str, str]] = {}  # setup's layer -> call keywords
 
     def literal(self, value: Any) -> str | None:
         """`literal(value)`, the classes it names imported by the port."""
@@ -185,21 +187,26 @@ class Planner(Constructors):
         traced = {c.name for c in self.trace.children} if self.trace is not None else set()
         sites = [s for s in self.source.sites if not s.factory or s.explicit_name in traced]
         for site in sites:
-            if site.assigned is None:
+            if site.assigned is None and site.set_name is None:
                 raise src.PortError(f"line {site.line}: a submodule not assigned to self.NAME")
-            if site.in_loop and site.container is None:
+            if site.in_loop and site.container is None and site.set_name is None:
                 raise src.PortError(
                     f"line {site.line}: a submodule made in a loop in setup, not in a list "
-                    "assigned to self.NAME"
+                    "assigned to self.NAME or set by setattr(self, NAME, ...)"
                 )
+        set_names = {id(s.node): self.set_names(s) for s in sites if s.set_name is not None}
         claimed = {s.explicit_name or s.assigned for s in sites if not s.in_loop}
+        claimed |= {n for found in set_names.values() for n in found}
         unclaimed = [c.name for c in self.trace.children if c.name not in claimed] if (
             self.trace is not None
         ) else []  # fmt: skip
-        listed = [s for s in sites if s.in_loop]
+        listed = [s for s in sites if s.in_loop and s.set_name is None]
         names: dict[str, list[Placed]] = {}
         for site in sites:
-            if site.in_loop:  # `self.NAME = [Block(...) for ...]`: the trace's unclaimed ones
+            key = site.assigned or code_of(site.set_name)
+            if site.set_name is not None:  # `setattr(self, f"layers_{i}", Block(...))`
+                linen_names = set_names[id(site.node)]
+            elif site.in_loop:  # `self.NAME = [Block(...) for ...]`: the trace's unclaimed ones
                 linen_names = [
                     n for n in unclaimed if len(listed) == 1 or n.startswith(site.assigned)
                 ]
@@ -210,6 +217,10 @@ class Planner(Constructors):
             if child is not None and site.target is not None and child.cls is not site.target:
                 child = None  # the branch the trace did not take
             expression, form = self.constructor(site, child)
+            layer = LAYERS.get(site.target) if site.target is not None else None
+            translated = expression is not None and not form.startswith("bridged")
+            if translated and site.assigned and layer and layer.call_renamed:
+                self.call_renamed[site.assigned] = layer.call_renamed  # `rng=k` -> `rngs=k`
             if expression is not None and site.assigned in self.stacked and not site.in_loop:
                 size, axis_name = self.stacked[site.assigned]
                 expression = (
@@ -225,94 +236,52 @@ class Planner(Constructors):
                 comment = self.stubs[-1].comment if bridged else None
                 replacement = cst.parse_expression(expression)
                 self.self_edits[id(site.node)] = rw.SelfEdit(replacement, comment)
-            if site.in_loop:
+            if site.set_name is not None:
+                placed = [Placed(n, n, form) for n in linen_names]
+            elif site.in_loop:
                 placed = [
                     Placed(n, f"{site.assigned}/{i}", form) for i, n in enumerate(linen_names)
                 ]
             else:
                 placed = [Placed(linen_names[0], site.assigned, form)]
-            if child is not None or site.assigned not in names:
-                names[site.assigned] = placed
+            if child is not None or key not in names:
+                names[key] = placed
         self.placed += [p for placed in names.values() for p in placed]
 
-    # The user's functions applying Linen lifted transforms --------------------------------
-
-    def lifted_calls(self) -> None:
-        """Each call of a function of the user's that applies a Linen lifted transform: the
-        function ported beside the class (`functions.py`), the submodule whose variables it
-        stacks built stacked (`stacked_modules`); or the call marked, the class's Linen code."""
-        for call in self.source.self_calls:
-            if call.function is None:
-                continue
-            ported = fn.port(call.function)
-            why = ported.refusal or self.stack(call, ported)
-            if why is not None:
-                self.mark(call, call.method, f"{why}: port it by hand", linen_code=True)
-                continue
-            for needed in ported.needed():
-                self.functions[needed.function] = needed
-
-    def stack(self, call: src.SelfCall, ported: fn.FunctionPort) -> str | None:
-        """Where the function stacks the variables of the module handed to it, the size and
-        axis name the submodule handed is built with: the call's own expressions for them
-        where `__init__` can evaluate those to the traced values, else the traced values.
-        Why it cannot be (None: it can, or nothing is stacked)."""
-        stacking = ported.stacking
-        if stacking is None:
-            return None
-        function = call.function
-        handed = (
-            fn.bound_argument(function, call.node, stacking.parameter)
-            if stacking.parameter is not None
-            else None
-        )
-        attribute = src.self_attribute(handed) if handed is not None else None
-        if attribute is None or self.source.style != "setup":
-            return "the module it stacks is not a submodule made in setup (self.NAME)"
-        traced_size, traced_name = (
-            self.trace.stacked(attribute) if self.trace is not None else (None, None)
-        )
-        texts = []
-        for expression, traced in ((stacking.size, traced_size), (stacking.axis_name, traced_name)):
-            text = self.call_text(call, function, expression)
-            if text is not None and (traced_size is None or self.evaluate(text) == traced):
-                texts.append(text)  # verified where the submodule was traced
-            elif traced is not None or expression is None:
-                texts.append(repr(traced))
-            else:
-                return "its stacked size or axis name cannot be evaluated in __init__"
-        if texts[0] == "None":
-            return "the stacked size is neither given nor traced"
-        self.stacked[attribute] = (texts[0], texts[1])
-        return None
-
-    def call_text(
-        self, call: src.SelfCall, function: Any, expression: cst.BaseExpression | None
-    ) -> str | None:
-        """The expression the function's `expression` (a parameter of it) takes at `call`,
-        as `__init__` evaluates it: the locals of the method making the call substituted;
-        None where it is no parameter, not passed, or reads values of the call."""
-        if not isinstance(expression, cst.Name):
-            return None
-        given = fn.bound_argument(function, call.node, expression.value)
-        method = _enclosing(self.source.class_def, call.node)
-        if given is None or method is None:
-            return None
-        values: dict[str, cst.BaseExpression] = {}
-        for name, local in rw.locals_of(method).items():
-            substituted = rw.substitute(local.value, values)
-            if src.is_static(substituted, self.scope):
-                values[name] = substituted
-        substituted = rw.substitute(given, values)
-        return code_of(substituted) if src.is_static(substituted, self.scope) else None
+    def set_names(self, site: src.Site) -> list[str]:
+        """The names `setattr(self, NAME, ...)` in `setup` gives its submodules: NAME evaluated
+        (over its `for` loop's iterable where it is made in one), `setup`'s locals read
+        through the fields they hold."""
+        name = code_of(rw.substitute(site.set_name, self.values))
+        if site.in_loop:
+            loop = site.loop
+            if not isinstance(loop, cst.For):
+                raise src.PortError(f"line {site.line}: setattr in a loop other than `for`")
+            iterable = code_of(rw.substitute(loop.iter, self.values))
+            text = f"[{name} for {code_of(loop.target)} in {iterable}]"
+        else:
+            text = f"[{name}]"
+        names = self.evaluate(text)
+        if self.trace is None and names is None:
+            return []  # never built: the names map no traced weights
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise src.PortError(f"line {site.line}: the names setattr gives cannot be evaluated")
+        return names
 
     # self.param, self.sow and the rest of Linen's own methods -------------------------------
 
     def self_calls(self) -> None:
+        claimed = self.linen_api()
         for call in self.source.self_calls:
-            if call.function is not None:
-                continue  # `lifted_calls`
-            if call.method == "param":
+            if call.function is not None or id(call.node) in claimed:
+                continue  # `lifted_calls`, `linen_api`
+            if call.transform:
+                note = (
+                    "a Linen transform of a function inside a method: port it by hand "
+                    "(nnx.scan, nnx.vmap, nnx.remat), or move it into a function of the file"
+                )
+                self.mark(call, call.method, note, linen_code=True)
+            elif call.method == "param":
                 self.param(call)
             elif call.method == "variable":
                 self.variable(call)
@@ -430,25 +399,6 @@ class Planner(Constructors):
             if uses == local.reads and whole:
                 self.dropped.add(id(local.statement))
         return partitioned
-
-
-def _enclosing(class_def: cst.ClassDef, node: cst.CSTNode) -> cst.FunctionDef | None:
-    """The method of `class_def` whose body holds `node`."""
-
-    class Find(cst.CSTVisitor):
-        found = False
-
-        def on_visit(self, visited: cst.CSTNode) -> bool:
-            self.found = self.found or visited is node
-            return not self.found
-
-    for method in class_def.body.body:
-        if isinstance(method, cst.FunctionDef):
-            finder = Find()
-            method.visit(finder)
-            if finder.found:
-                return method
-    return None
 
 
 def _partitioned(init: cst.BaseExpression, scope: Mapping[str, Any]) -> tuple[str, str] | None:

@@ -27,11 +27,9 @@ HELPERS = {
     under `nnx.vmap`, each with its own keys, the axis named in the sharding metadata as
     Linen's `metadata_params` names it."""
     del split_rngs  # every stream is split: the weights are the Linen side's, moved over
-    import flax.linen as nn
-
     if any(axis != 0 for axis in (variable_axes or {}).values()):
         raise NotImplementedError(f"variable_axes={variable_axes}: only a leading axis is ported")
-    name = (metadata_params or {}).get(nn.PARTITION_NAME)
+    name = (metadata_params or {}).get(nnx.PARTITION_NAME)  # Linen's key: the same string
     metadata = {nnx.PARTITION_NAME: name} if name is not None else {}
 
     class Stacked(cls):
@@ -91,6 +89,12 @@ def vmap_class(cls, *, axis_size, in_axes=0, out_axes=0, variable_axes=None, spl
 
     stacked.__call__ = __call__
     return stacked''',
+    "module_template": '''def module_template(create):
+    """`Module(..., parent=None)` in NNX: the structure (`GraphDef`) of the module `create(rngs)`
+    builds, nothing allocated; `nnx.merge(template, weights)` applies it to weights, as Linen's
+    `template.apply({"params": weights}, ...)`."""
+    with nnx.use_eager_sharding(False):
+        return nnx.graphdef(nnx.eval_shape(lambda: create(nnx.Rngs(0))))''',
     "stacked_modules": '''def stacked_modules(create, size, axis_name, rngs):
     """`size` modules from `create(rngs)`, each with its own keys, their variables stacked on a
     leading axis (named `axis_name` in the sharding metadata where not None): the submodule a
@@ -104,11 +108,13 @@ def vmap_class(cls, *, axis_size, in_axes=0, out_axes=0, variable_axes=None, spl
 
     return build(rngs)''',
     "function_transforms": '''def _leading(variable_axes, metadata_params):
-    """The sharding metadata of the stacked axis; only a leading axis is ported."""
+    """Only a leading stacked axis is ported. Its name (`metadata_params`) was added to the
+    weights' sharding metadata where they were stacked (`stacked_modules`); a call leaves the
+    metadata as it is: where the weights were sliced by other means first (a pipeline's stage
+    applied to its slice), the axis is no longer the leading one."""
+    del metadata_params
     if any(axis != 0 for axis in (variable_axes or {}).values()):
         raise NotImplementedError(f"variable_axes={variable_axes}: only a leading axis is ported")
-    name = (metadata_params or {}).get(nnx.PARTITION_NAME)
-    return {nnx.PARTITION_NAME: name} if name is not None else {}
 
 
 def scan_function(fn, *, length=None, in_axes=0, out_axes=0, variable_axes=None,
@@ -117,12 +123,12 @@ def scan_function(fn, *, length=None, in_axes=0, out_axes=0, variable_axes=None,
     module's variables (stacked on a leading axis: `stacked_modules`) scanned by `nnx.scan`
     with the carry, `in_axes` for `xs` (`None`: broadcast, Linen's `nn.broadcast`)."""
     del split_rngs  # the module's keys were split where it was stacked
-    metadata = _leading(variable_axes, metadata_params)
+    _leading(variable_axes, metadata_params)
 
     def scanned(module, carry, *xs):
         ins = in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(xs)
         step = nnx.scan(fn, in_axes=(0, nnx.Carry, *ins), out_axes=(nnx.Carry, out_axes),
-                        length=length, transform_metadata=metadata, **options)
+                        length=length, **options)
         return step(module, carry, *xs)
 
     return scanned
@@ -133,12 +139,12 @@ def vmap_function(fn, *, in_axes=0, out_axes=0, axis_size=None, variable_axes=No
     """`nn.vmap(fn, ...)` of a function `fn(module, *xs)` in NNX: the module's variables
     (stacked on a leading axis: `stacked_modules`) mapped by `nnx.vmap` with `xs`."""
     del split_rngs  # the module's keys were split where it was stacked
-    metadata = _leading(variable_axes, metadata_params)
+    _leading(variable_axes, metadata_params)
 
     def mapped(module, *xs):
         ins = in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(xs)
         apply = nnx.vmap(fn, in_axes=(0, *ins), out_axes=out_axes, axis_size=axis_size,
-                         transform_metadata=metadata, **options)
+                         **options)
         return apply(module, *xs)
 
     return mapped''',

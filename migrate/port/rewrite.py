@@ -134,6 +134,51 @@ class Edits:
     class_locals: frozenset[str] = frozenset()  # locals holding a (ported) class
     helpers: set[str] = dataclasses.field(default_factory=set)  # `remat_class`, ... called
     variable_reads: frozenset[str] = frozenset()  # `self.count`, `ema`: `.value` -> `[...]`
+    branches: Mapping[int, str] = dataclasses.field(default_factory=dict)  # `if` -> branch kept
+    # setup's layers whose NNX call takes keywords renamed: `self.drop(x, rng=k)` -> `rngs=k`
+    call_renamed: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
+
+
+# Linen functions on variables -> their NNX form; None: the argument itself (an NNX Variable
+# is its own box: its value and its sharding names).
+LINEN_FUNCTIONS = {nn.meta.unbox: None, nn.get_partition_spec: "nnx.get_partition_spec"}
+
+
+def linen_function(
+    original: cst.Call, updated: cst.Call, scope: Mapping[str, Any]
+) -> cst.BaseExpression | None:
+    """`nn.meta.unbox(x)` -> `x`, `nn.get_partition_spec(x)` -> `nnx.get_partition_spec(x)`
+    (None: `original` calls neither)."""
+    target = resolve(original.func, scope)
+    if not any(target is f for f in LINEN_FUNCTIONS) or len(updated.args) != 1:
+        return None
+    form = LINEN_FUNCTIONS[target]
+    if form is None:
+        return updated.args[0].value
+    return updated.with_changes(func=cst.parse_expression(form))
+
+
+def applied(call: cst.Call) -> cst.BaseExpression | None:
+    """Linen's functional apply with weights, `template.apply({"params": w}, *args)` ->
+    `nnx.merge(template, w)(*args)` (the template a `GraphDef`: `module_template`); None for
+    any other call."""
+    func, args = call.func, call.args
+    if not (isinstance(func, cst.Attribute) and func.attr.value == "apply" and args):
+        return None
+    variables = args[0].value
+    if args[0].keyword or args[0].star or not isinstance(variables, cst.Dict):
+        return None
+    elements = variables.elements
+    if len(elements) != 1 or not isinstance(elements[0], cst.DictElement):
+        return None
+    key = elements[0].key
+    if not (isinstance(key, cst.SimpleString) and key.evaluated_value == "params"):
+        return None
+    merged = cst.Call(
+        cst.parse_expression("nnx.merge"),
+        commas([cst.Arg(func.value), cst.Arg(elements[0].value)]),
+    )
+    return cst.Call(merged, commas(list(args[1:])))
 
 
 # A Linen transform of a class -> the helper the port file defines (`ported.HELPERS`).
@@ -159,22 +204,69 @@ class _Rewriter(cst.CSTTransformer):
             return _self_attribute(edit.attribute)
         if isinstance(original_node.func, cst.Call) and id(original_node.func) in edits.sites:
             edit = edits.sites[id(original_node.func)]
-            args = [
-                a.with_changes(keyword=cst.Name(edit.call_renamed[a.keyword.value]))
-                if a.keyword and a.keyword.value in edit.call_renamed
-                else a
-                for a in updated_node.args
-            ]
+            args = _renamed(updated_node.args, edit.call_renamed)
             given = {a.keyword.value for a in args if a.keyword}
             for name, value in edit.call_kwargs:
                 if name not in given:
                     args.append(cst.Arg(value, keyword=cst.Name(name), equal=_NO_SPACE))
             return updated_node.with_changes(args=commas(args))
+        renamed = edits.call_renamed.get(self_attribute(original_node.func) or "")
+        if renamed:
+            updated_node = updated_node.with_changes(args=_renamed(updated_node.args, renamed))
+        replaced = linen_function(original_node, updated_node, self.scope) or applied(updated_node)
+        if replaced is not None:
+            return replaced
+        template = self._template(original_node, updated_node)
+        if template is not None:
+            return template
         helper = CLASS_TRANSFORMS.get(resolve(original_node.func, self.scope))
         if helper is not None and self._class(original_node):
             edits.helpers.add(helper)  # the port file defines it
             return updated_node.with_changes(func=cst.Name(helper))
         return updated_node
+
+    def _template(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression | None:
+        """`Block(..., parent=None)` (an unbound Linen module, applied to weights later) of a
+        ported class -> `module_template(lambda rngs: Block(..., rngs=rngs))`: its `GraphDef`."""
+        target = resolve(original.func, self.scope)
+        if not (isinstance(target, type) and target in self.edits.ported):
+            return None
+        unbound = [
+            a for a in updated.args
+            if a.keyword and a.keyword.value == "parent"
+            and isinstance(a.value, cst.Name) and a.value.value == "None"
+        ]  # fmt: skip
+        if not unbound:
+            return None
+        kept = [a for a in updated.args if a not in unbound]
+        rngs = cst.Arg(cst.Name("rngs"), keyword=cst.Name("rngs"), equal=_NO_SPACE)
+        built = updated.with_changes(args=commas([*kept, rngs]))
+        self.edits.helpers.add("module_template")
+        return cst.parse_expression(f"module_template(lambda rngs: {code_of(built)})")
+
+    def leave_Subscript(
+        self, original_node: cst.Subscript, updated_node: cst.Subscript
+    ) -> cst.BaseExpression:
+        """`self.variables["params"]["layers"]` -> the `nnx.state` the plan wrote for it."""
+        edit = self.edits.calls.get(id(original_node))
+        return edit.replacement if edit is not None and edit.replacement else updated_node
+
+    def leave_If(
+        self, original_node: cst.If, updated_node: cst.If
+    ) -> cst.BaseStatement | cst.FlattenSentinel | cst.RemovalSentinel:
+        """`if self.is_initializing(): ...` (Linen's init pass, which NNX has not: a module
+        is built initialised): its other branch only."""
+        kept = self.edits.branches.get(id(original_node))
+        if kept is None:
+            return updated_node
+        if kept == "body":
+            return cst.FlattenSentinel(updated_node.body.body)
+        other = updated_node.orelse
+        if other is None:
+            return cst.RemoveFromParent()
+        if isinstance(other, cst.If):
+            return other
+        return cst.FlattenSentinel(other.body.body)
 
     def _class(self, call: cst.Call) -> bool:
         """`nn.remat(X, ...)` (or another transform) of a class: X a ported class or a local
@@ -247,6 +339,16 @@ class _Rewriter(cst.CSTTransformer):
         comments = [cst.EmptyLine(comment=cst.Comment(f"# {m}")) for m in self.marks]
         self.marks = []
         return updated_node.with_changes(leading_lines=[*updated_node.leading_lines, *comments])
+
+
+def _renamed(args: Any, renamed: Mapping[str, str]) -> list[cst.Arg]:
+    """The arguments with the keywords `renamed` names renamed (`rng=` -> `rngs=`)."""
+    return [
+        a.with_changes(keyword=cst.Name(renamed[a.keyword.value]))
+        if a.keyword and a.keyword.value in renamed
+        else a
+        for a in args
+    ]
 
 
 _NO_SPACE = cst.AssignEqual(

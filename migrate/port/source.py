@@ -46,6 +46,8 @@ class Site:
     factory: bool = False  # a function called with `name="..."` that may return a module
     loop: cst.CSTNode | None = None  # the innermost loop it is made in (`for ... in ...:`)
     container: int | None = None  # in `setup`: the id of the list `self.NAME = [...]` built in
+    function: Any = None  # the user's function returning a transform of the class: `f(...)(...)`
+    set_name: cst.BaseExpression | None = None  # in `setup`: `setattr(self, NAME, <the site>)`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +60,7 @@ class SelfCall:
     method: str
     assigned: str | None = None  # in `setup`: `self.NAME = self.param(...)`
     function: Any = None  # a function of the user's applying a lifted transform, called
+    transform: bool = False  # `method`: a Linen transform of a function, applied in a method
     local: str | None = None  # in a compact `__call__`: `NAME = self.variable(...)`
 
 
@@ -255,6 +258,28 @@ def lifted_transforms(function: Any, seen: frozenset = frozenset()) -> tuple[Any
     return tuple(found)
 
 
+@functools.lru_cache(maxsize=256)
+def transformed_class(function: Any) -> type | None:
+    """The Linen class a function of the user's applies a Linen lifted transform to (and
+    returns, transformed: `return nn.vmap(StageLayers, ...)`), if any."""
+    parsed = parsed_function(function)
+    if parsed is None:
+        return None
+    scope = vars(inspect.getmodule(function) or builtins)
+    found: list[type] = []
+
+    class Calls(cst.CSTVisitor):
+        def visit_Call(self, node: cst.Call) -> None:
+            first = node.args[0].value if node.args else None
+            if resolve(node.func, scope) in TRANSFORMS and first is not None:
+                held = resolve(first, scope)
+                if isinstance(held, type) and issubclass(held, nn.Module):
+                    found.append(held)
+
+    parsed.visit(Calls())
+    return found[0] if found else None
+
+
 def holding_classes(function: cst.FunctionDef, scope: Mapping[str, Any]) -> dict[str, type]:
     """The locals `function` assigns a Linen class only (`block = Block`, then maybe
     `block = nn.remat(block, ...)`), each with its class."""
@@ -300,6 +325,15 @@ class _Finder(cst.CSTVisitor):
         self.attributes: list[SelfCall] = []
         self.handed: list[tuple[cst.Call, Any]] = []  # a function called
         self.called: set[int] = set()  # `self.is_initializing` in `self.is_initializing()`
+        self.setting: dict[int, cst.BaseExpression] = {}  # `setattr(self, NAME, value)`: value
+
+    def _of_class(self, call: cst.Call) -> bool:
+        """A transform applied to a Linen class (or a local holding one): a site's, not code."""
+        first = call.args[0].value if call.args else None
+        if isinstance(first, cst.Name) and first.value in self.class_locals:
+            return True
+        held = resolve(first, self.scope) if first is not None else None
+        return isinstance(held, type) and issubclass(held, nn.Module)
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         if self_attribute(node) in LINEN_ATTRIBUTES and id(node) not in self.called:
@@ -333,6 +367,11 @@ class _Finder(cst.CSTVisitor):
             self.calling[id(node.func)] = node
         func = node.func
         self.called.add(id(func))
+        args = node.args
+        if isinstance(func, cst.Name) and func.value == "setattr" and len(args) == 3:
+            target, name, value = (a.value for a in args)
+            if isinstance(target, cst.Name) and target.value == "self":
+                self.setting[id(value)] = name
         method = self_attribute(func)
         if method is not None:
             self.self_calls.append(
@@ -342,11 +381,20 @@ class _Finder(cst.CSTVisitor):
         target = resolve(func, self.scope)
         if isinstance(target, types.FunctionType):
             self.handed.append((node, target))
+        if target in TRANSFORMS and not self._of_class(node):
+            name = f"nn.{target.__name__} of a function"
+            self.self_calls.append(SelfCall(node, self._line(node), name, transform=True))
         if not self.sites_too:
             return
         via_local = isinstance(func, cst.Name) and func.value in self.class_locals
         if via_local:
             target = self.class_locals[func.value]
+        function = resolve(func.func, self.scope) if isinstance(func, cst.Call) else None
+        made = transformed_class(function) if isinstance(function, types.FunctionType) else None
+        if made is not None:  # `stacked_stages(cfg)(cfg, mesh)`: the class it transforms
+            target, via_local = made, True
+        else:
+            function = None
         product = isinstance(func, cst.Call) and resolve(func.func, self.scope) in TRANSFORMS
         name = name_argument(node)
         explicit = name.evaluated_value if isinstance(name, cst.SimpleString) else None
@@ -365,6 +413,8 @@ class _Finder(cst.CSTVisitor):
                 self.assigned,
                 via_local=via_local,
                 factory=factory,
+                function=function,
+                set_name=self.setting.get(id(node)),
                 container=self.container,
                 loop=self.loops[-1] if self.loops else None,
             )

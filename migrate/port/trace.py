@@ -65,17 +65,22 @@ class Trace:
             _under(self.partitions, name),
         )
 
-    def stacked(self, name: str) -> tuple[int | None, str | None]:
-        """The leading size every parameter under the submodule `name` shares, and the
-        sharding name every boxed one gives that axis (None where they differ or there is
-        none): what a Linen transform stacking its variables made of them."""
+    def stacked_axes(self, name: str) -> list[tuple[int, str | None]]:
+        """The leading axes every parameter under the submodule `name` shares: each one's size
+        and the sharding name every boxed parameter gives it (None where they differ or none
+        is boxed); what Linen transforms stacking its variables made of them, the
+        outermost first."""
         params = _under(self.variables, name).get("params", {})
-        sizes = {leaf.shape[0] if leaf.shape else None for leaf in params.values()}
-        names = {
-            n[0] if n else None for n in _under(self.partitions, name).get("params", {}).values()
-        }
-        size = sizes.pop() if len(sizes) == 1 else None
-        return size, (names.pop() if len(names) == 1 else None)
+        names = _under(self.partitions, name).get("params", {})
+        shapes = [leaf.shape for leaf in params.values()]
+        axes: list[tuple[int, str | None]] = []
+        for i in range(min((len(s) for s in shapes), default=0)):
+            sizes = {s[i] for s in shapes}
+            at = {n[i] if len(n) > i else None for n in names.values()}
+            if len(sizes) != 1:
+                break
+            axes.append((sizes.pop(), at.pop() if len(at) == 1 else None))
+        return axes
 
 
 def _under(tree: Mapping[str, Mapping[Path, Any]], name: str) -> dict[str, dict[Path, Any]]:
