@@ -864,6 +864,9 @@ def test_the_twins_decoder_ports_whole_pipeline_included(tmp_path, monkeypatch):
     assert "boxed_weights = nnx.state(self.layers, nnx.Param)" in code
     assert "return nnx.merge(stage, stage_weights)(x, pos, first_layer)" in code
     assert "is_initializing" not in code and "flax.linen" not in code
+    # imported as the Linen file imports them, not through it
+    assert "from collections.abc import Callable" in code
+    assert "from jax.sharding import Mesh, NamedSharding" in code
     reference = command.port(
         decoder.Decoder, "int32[16,16]", tmp_path / "reference",
         fields_from="migrate.port.corpus:llama2_tiny_reference",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 import types
 from collections.abc import Mapping
 
@@ -226,7 +227,8 @@ def imports(
 ) -> str:
     """The imports the written classes read: NNX's, the ports of classes written in other
     files (`elsewhere`: class name -> file), and the Linen file's globals they use (its
-    modules imported as it imports them, its other names from the file itself)."""
+    modules and the names it imports imported as it imports them, its own names from the
+    file itself)."""
     lines = ["import jax", "import jax.numpy as jnp", "from flax import nnx"]
     provided = {"jax", "jnp", "nnx"} | defined
     scope = vars(module)
@@ -246,13 +248,23 @@ def imports(
         if name not in scope:
             continue
         value = scope[name]
+        source, original = src.imported_names(module).get(name, (module.__name__, name))
         if isinstance(value, types.ModuleType):
             last = value.__name__.rsplit(".", 1)[-1]
             alias = "" if last == name and "." not in value.__name__ else f" as {name}"
             lines.append(f"import {value.__name__}{alias}")
+        elif (
+            source != module.__name__ and getattr(sys.modules.get(source), original, None) is value
+        ):
+            # imported as the Linen file imports it: the port does not need the Linen file
+            froms.setdefault(source, []).append(
+                name if original == name else f"{original} as {name}"
+            )
         else:
             imported.append(name)
-    lines += [f"from {source} import {', '.join(names)}" for source, names in froms.items()]
+    ports = set((elsewhere or {}).values())  # the port's own files after the libraries
+    ordered = sorted(froms.items(), key=lambda item: (item[0] in ports, item[0]))
+    lines += [f"from {source} import {', '.join(names)}" for source, names in ordered]
     if imported:
         lines.append(f"from {module.__name__} import {', '.join(imported)}")
     return "\n".join(lines)

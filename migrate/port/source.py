@@ -9,6 +9,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import functools
+import importlib.util
 import inspect
 import textwrap
 import types
@@ -278,6 +279,41 @@ def transformed_class(function: Any) -> type | None:
 
     parsed.visit(Calls())
     return found[0] if found else None
+
+
+@functools.lru_cache(maxsize=64)
+def imported_names(module: types.ModuleType) -> dict[str, tuple[str, str]]:
+    """The names a module's top-level `from X import Y [as Z]` statements bind: `Z -> (X, Y)`,
+    `X` absolute (relative imports resolved against the module's package)."""
+    try:
+        tree = cst.parse_module(inspect.getsource(module))
+    except (OSError, TypeError, cst.ParserSyntaxError):
+        return {}
+    found: dict[str, tuple[str, str]] = {}
+    for statement in tree.body:
+        if not isinstance(statement, cst.SimpleStatementLine):
+            continue
+        for small in statement.body:
+            if not isinstance(small, cst.ImportFrom) or isinstance(small.names, cst.ImportStar):
+                continue
+            dots = "." * len(small.relative)
+            named = code_of_name(small.module) if small.module is not None else ""
+            try:
+                source = importlib.util.resolve_name(dots + named, module.__package__)
+            except (ImportError, ValueError):
+                continue
+            for alias in small.names:
+                original = code_of_name(alias.name)
+                bound = alias.asname.name.value if alias.asname is not None else original
+                found[bound] = (source, original)
+    return found
+
+
+def code_of_name(node: cst.Attribute | cst.Name) -> str:
+    """`a.b.c` as written."""
+    if isinstance(node, cst.Name):
+        return node.value
+    return f"{code_of_name(node.value)}.{node.attr.value}"
 
 
 def holding_classes(function: cst.FunctionDef, scope: Mapping[str, Any]) -> dict[str, type]:
