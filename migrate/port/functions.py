@@ -118,17 +118,11 @@ class _Writer(cst.CSTTransformer):
         self.helpers: set[str] = set()
         self.stacking: Stacking | None = None
         self.transformed: list[type] = []  # the classes it applies a transform to
+        self.classes = src.holding_classes(parsed, self.scope)  # local -> the class it holds
         self.products: dict[str, cst.Call] = {}  # `scanned = nn.scan(...)`: local -> transform
-        self.classes: set[str] = set()  # locals holding a transformed class
         for target, value in _assignments(parsed):
             if isinstance(value, cst.Call) and src.resolve(value.func, self.scope) in STACKING:
                 self.products[target] = value
-            if isinstance(value, cst.Call) and src.resolve(value.func, self.scope) in OPTIONS:
-                first = value.args[0].value if value.args else None
-                if isinstance(src.resolve(first, self.scope), type) or (
-                    isinstance(first, cst.Name) and first.value in self.classes
-                ):
-                    self.classes.add(target)
         self.stacked_calls: dict[int, cst.Call] = {}
         parsed.visit(_ProductCalls(self))
 
@@ -156,10 +150,10 @@ class _Writer(cst.CSTTransformer):
             self.refuse(f"{name} with {unknown[0]}=, which has no NNX form here")
             return updated
         first = args[0].value
-        held = src.resolve(first, self.scope)
-        if isinstance(held, type) or (isinstance(first, cst.Name) and first.value in self.classes):
-            if isinstance(held, type):  # a transform of a class: the port file's helper for it
-                self.transformed.append(held)
+        held = self.classes.get(first.value) if isinstance(first, cst.Name) else None
+        held = held or src.resolve(first, self.scope)
+        if isinstance(held, type):  # a transform of a class: the port file's helper for it
+            self.transformed.append(held)
             helper = ported.CLASS_TRANSFORMS[transform.__name__]
             self.helpers.add(helper)
             return updated.with_changes(func=cst.Name(helper))

@@ -98,14 +98,9 @@ class LiftedCalls:
         if not isinstance(expression, cst.Name):
             return None
         given = fn.bound_argument(function, call.node, expression.value)
-        method = _enclosing(self.source.class_def, call.node)
-        if given is None or method is None:
+        if given is None or call.enclosing is None:
             return None
-        values: dict[str, cst.BaseExpression] = {}
-        for name, local in rw.locals_of(method).items():
-            substituted = rw.substitute(local.value, values)
-            if src.is_static(substituted, self.scope):
-                values[name] = substituted
+        values = rw.static_values(rw.locals_of(call.enclosing), self.scope)
         substituted = rw.substitute(given, values)
         return code_of(substituted) if src.is_static(substituted, self.scope) else None
 
@@ -115,22 +110,3 @@ def _stacked_at(axes: list[tuple[int, str | None]], given: tuple[Any, Any]) -> b
     any)."""
     size, name = given
     return any(s == size and (name is None or n == name) for s, n in axes)
-
-
-def _enclosing(class_def: cst.ClassDef, node: cst.CSTNode) -> cst.FunctionDef | None:
-    """The method of `class_def` whose body holds `node`."""
-
-    class Find(cst.CSTVisitor):
-        found = False
-
-        def on_visit(self, visited: cst.CSTNode) -> bool:
-            self.found = self.found or visited is node
-            return not self.found
-
-    for method in class_def.body.body:
-        if isinstance(method, cst.FunctionDef):
-            finder = Find()
-            method.visit(finder)
-            if finder.found:
-                return method
-    return None

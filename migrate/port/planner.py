@@ -86,13 +86,9 @@ class Planner(Constructors, LiftedCalls, LinenApi):
 
     @functools.cached_property
     def values(self) -> dict[str, cst.BaseExpression]:
-        """The compact `__call__`'s locals assigned once from what `__init__` can evaluate."""
-        values: dict[str, cst.BaseExpression] = {}
-        for name, local in self.locals.items():
-            substituted = rw.substitute(local.value, values)
-            if src.is_static(substituted, self.scope):
-                values[name] = substituted
-        return values
+        """The compact `__call__`'s (or `setup`'s) locals assigned once from what `__init__`
+        can evaluate."""
+        return rw.static_values(self.locals, self.scope)
 
     def size(self, value: int | tuple[int, ...]) -> str:
         """A traced size, through the module's own field where one holds it."""
@@ -148,10 +144,18 @@ class Planner(Constructors, LiftedCalls, LinenApi):
         iterable = self.text(loop.iter)
         if iterable is None:
             raise src.PortError(f"line {site.line}: the loop's iterable reads values of __call__")
-        target = code_of(loop.target)
-        names = self.evaluate(f"[{code_of(name)} for {target} in {iterable}]")
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        names = self.names_over(code_of(name), loop, iterable)
+        if names is None:
             raise src.PortError(f"line {site.line}: its names cannot be evaluated")
+        return names
+
+    def names_over(self, name: str, loop: cst.For | None, iterable: str | None) -> list | None:
+        """The submodule names `name` gives, evaluated once per iteration of `loop` over
+        `iterable` (once where there is no loop); None where they cannot be evaluated."""
+        text = f"[{name} for {code_of(loop.target)} in {iterable}]" if loop else f"[{name}]"
+        names = self.evaluate(text)
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            return None
         return names
 
     def loop_site(self, site: src.Site, names: list[str], written: set[int]) -> None:
@@ -252,19 +256,15 @@ class Planner(Constructors, LiftedCalls, LinenApi):
         """The names `setattr(self, NAME, ...)` in `setup` gives its submodules: NAME evaluated
         (over its `for` loop's iterable where it is made in one), `setup`'s locals read
         through the fields they hold."""
+        loop = site.loop if site.in_loop else None
+        if loop is not None and not isinstance(loop, cst.For):
+            raise src.PortError(f"line {site.line}: setattr in a loop other than `for`")
         name = code_of(rw.substitute(site.set_name, self.values))
-        if site.in_loop:
-            loop = site.loop
-            if not isinstance(loop, cst.For):
-                raise src.PortError(f"line {site.line}: setattr in a loop other than `for`")
-            iterable = code_of(rw.substitute(loop.iter, self.values))
-            text = f"[{name} for {code_of(loop.target)} in {iterable}]"
-        else:
-            text = f"[{name}]"
-        names = self.evaluate(text)
-        if self.trace is None and names is None:
+        iterable = code_of(rw.substitute(loop.iter, self.values)) if loop else None
+        names = self.names_over(name, loop, iterable)
+        if names is None and self.trace is None:
             return []  # never built: the names map no traced weights
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        if names is None:
             raise src.PortError(f"line {site.line}: the names setattr gives cannot be evaluated")
         return names
 

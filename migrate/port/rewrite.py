@@ -18,6 +18,7 @@ from migrate.port.ported import code_of
 from migrate.port.source import (
     ClassSource,
     is_compact,
+    is_static,
     names_read,
     resolve,
     self_attribute,
@@ -80,6 +81,20 @@ def _pairs(assign: cst.Assign) -> list[tuple[str, cst.BaseExpression | None]]:
     ):  # fmt: skip
         return [(n, None) for n in names]
     return [(e.value.value, v.value) for e, v in zip(elements, values, strict=True)]
+
+
+def static_values(
+    locals_: Mapping[str, Local], scope: Mapping[str, Any]
+) -> dict[str, cst.BaseExpression]:
+    """The locals assigned once from what `__init__` can evaluate (`self`, globals, builtins),
+    each with the earlier such locals it reads substituted (`cfg.dtype` ->
+    `self.config.dtype`)."""
+    values: dict[str, cst.BaseExpression] = {}
+    for name, local in locals_.items():
+        substituted = substitute(local.value, values)
+        if is_static(substituted, scope):
+            values[name] = substituted
+    return values
 
 
 def substitute(node: cst.BaseExpression, values: Mapping[str, cst.BaseExpression]) -> Any:

@@ -62,6 +62,7 @@ class SelfCall:
     assigned: str | None = None  # in `setup`: `self.NAME = self.param(...)`
     function: Any = None  # a function of the user's applying a lifted transform, called
     transform: bool = False  # `method`: a Linen transform of a function, applied in a method
+    enclosing: cst.FunctionDef | None = None  # the method making a `function`'s call
     local: str | None = None  # in a compact `__call__`: `NAME = self.variable(...)`
 
 
@@ -124,22 +125,26 @@ def read(cls: type) -> ClassSource:
         if body is not None:
             finder.class_locals = holding_classes(body, vars(module))
             class_locals.update(finder.class_locals)
+            finder.method = body
             body.visit(finder)
     finder.sites_too = False  # the other methods: their Linen-only calls only
     for method in class_def.body.body:
         if isinstance(method, cst.FunctionDef) and method not in (call, setup):
+            finder.method = method
             method.visit(finder)
     own = set(methods) | {f.target.value for f in fields if isinstance(f.target, cst.Name)}
     for attribute in finder.attributes:
         if attribute.method not in own:
             finder.self_calls.append(attribute)
-    for calling, function in finder.handed:
+    for calling, function, method in finder.handed:
         transforms = lifted_transforms(function) if own_function(function, module) else ()
         if transforms:
             applied = ", ".join(f"nn.{t.__name__}" for t in transforms)
             idiom = f"{function.__name__}(...) applies {applied}"
             line = finder._line(calling)
-            finder.self_calls.append(SelfCall(calling, line, idiom, function=function))
+            finder.self_calls.append(
+                SelfCall(calling, line, idiom, function=function, enclosing=method)
+            )
     return ClassSource(
         cls, module, first, class_def, call, fields, tuple(finder.sites),
         tuple(finder.self_calls), setup, class_locals,
@@ -359,7 +364,8 @@ class _Finder(cst.CSTVisitor):
         self.class_locals: Mapping[str, type] = {}
         self.sites_too = True
         self.attributes: list[SelfCall] = []
-        self.handed: list[tuple[cst.Call, Any]] = []  # a function called
+        self.handed: list[tuple[cst.Call, Any, cst.FunctionDef | None]] = []  # a function called
+        self.method: cst.FunctionDef | None = None  # the method being read
         self.called: set[int] = set()  # `self.is_initializing` in `self.is_initializing()`
         self.setting: dict[int, cst.BaseExpression] = {}  # `setattr(self, NAME, value)`: value
 
@@ -416,7 +422,7 @@ class _Finder(cst.CSTVisitor):
             return
         target = resolve(func, self.scope)
         if isinstance(target, types.FunctionType):
-            self.handed.append((node, target))
+            self.handed.append((node, target, self.method))
         if target in TRANSFORMS and not self._of_class(node):
             name = f"nn.{target.__name__} of a function"
             self.self_calls.append(SelfCall(node, self._line(node), name, transform=True))

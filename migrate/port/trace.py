@@ -161,9 +161,9 @@ def trace(
         )
     boxed = lambda x: isinstance(x, meta.Partitioned)
     partitions: dict[str, dict[Path, tuple]] = {}
-    for keys, leaf in jax.tree_util.tree_flatten_with_path(variables, is_leaf=boxed)[0]:
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(variables, is_leaf=boxed)[0]:
         if boxed(leaf):
-            path = tuple(str(k.key) for k in keys)
+            path = tuple(str(k.key) for k in key_path)
             partitions.setdefault(path[0], {})[path[1:]] = tuple(leaf.names)
     variables = meta.unbox(variables)
 
